@@ -144,14 +144,14 @@ def _recompute(rows: list[dict], ks: list[int]) -> dict[str, float]:
         out[f"pass@{k}"] = sum(
             _pass_at_k(len(s), sum(r["correct"] > 0 for r in s), k) for s in by_problem.values()
         ) / len(by_problem)
-    hits = 0
+    hits = 0.0
     for s in by_problem.values():
         s = sorted(s, key=lambda r: r["sample"])
         votes = Counter(r["extracted"] for r in s if r["extracted"] is not None)
-        if votes:
+        if votes:  # answers tied at the most votes: the fraction of them that are right
             top = max(votes.values())
-            winner = next(r for r in s if r["extracted"] is not None and votes[r["extracted"]] == top)
-            hits += winner["correct"] > 0
+            tied = [a for a in votes if votes[a] == top]
+            hits += sum(next(r for r in s if r["extracted"] == a)["correct"] > 0 for a in tied) / len(tied)
     out["maj"] = hits / len(by_problem)
     return out
 

@@ -325,8 +325,8 @@ def _rows(samples: list[tuple[str | None, float, str | None]]) -> list[dict[str,
 
 def _brute_force_maj(rows: list[dict[str, Any]], same: Any) -> float:
     """maj@n by its definition: every key placed (most voted first, then earliest; each joins the first group, in
-    opening order, whose representative equals it), the most voted group wins (ties: its earliest sample), graded by
-    its first graded sample in sample order."""
+    opening order, whose representative equals it), the most voted group wins, graded by its first graded sample in
+    sample order (groups tied at the most votes: the mean of their grades)."""
     keys = [(r["extracted"] or "").strip() or None for r in rows]
     first: dict[str, int] = {}
     count: dict[str, int] = {}
@@ -343,12 +343,12 @@ def _brute_force_maj(rows: list[dict[str, Any]], same: Any) -> float:
         if group[k] == k:
             reps.append(k)
     votes = {rep: sum(count[k] for k in count if group[k] == rep) for rep in reps}
-    start = {rep: min(first[k] for k in count if group[k] == rep) for rep in reps}
-    winner = max(reps, key=lambda rep: (votes[rep], -start[rep]))
-    for r, k in zip(rows, keys):
-        if k is not None and not r["failed"] and group[k] == winner:
-            return float(r["correct"] > 0)
-    return 0.0
+    most = max(votes.values())
+    grades = []
+    for winner in (rep for rep in reps if votes[rep] == most):
+        graded = (r for r, k in zip(rows, keys) if k is not None and not r["failed"] and group[k] == winner)
+        grades.append(next((float(r["correct"] > 0) for r in graded), 0.0))
+    return sum(grades) / len(grades)
 
 
 def _case_insensitive(first: str, other: str) -> bool:

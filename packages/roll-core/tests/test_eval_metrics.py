@@ -143,7 +143,7 @@ def _rows(spec: list[list[tuple[str | None, int]]], **fields: object) -> list[di
 def test_summarize_by_hand() -> None:
     rows = _rows(
         [
-            [("1", 0), ("2", 1), ("2", 1), ("1", 0)],  # c=2; tie 1-1 vs 2-2 -> "1" first -> maj wrong
+            [("1", 0), ("2", 1), ("2", 1), ("1", 0)],  # c=2; tie 1-1 vs 2-2 -> one of two right: maj 1/2
             [("5", 1), ("3", 0), ("5", 1), (None, 0)],  # c=2; "5" wins -> right
             [(None, 0), ("9", 0), ("9", 0), ("8", 0)],  # c=0
         ],
@@ -156,14 +156,14 @@ def test_summarize_by_hand() -> None:
     assert m["pass@1"] == pytest.approx(4 / 12)
     assert m["pass@2"] == pytest.approx((5 / 6 + 5 / 6 + 0) / 3)
     assert m["pass@4"] == pytest.approx(2 / 3)
-    assert m["maj"] == pytest.approx(1 / 3)
+    assert m["maj"] == pytest.approx((0.5 + 1 + 0) / 3) and m["maj_ties"] == 1
     assert m["reward"] == pytest.approx(4 / 12 + 0.5)
     assert m["length_mean"] == pytest.approx(25.0)
     assert m["truncation_rate"] == pytest.approx(0.25)
     assert m["format_rate"] == pytest.approx(10 / 12)
     by = breakdown(rows, "domain", [1, 2])
     assert list(by) == ["b", "a"]  # first-seen order (the records were reversed)
-    assert by["a"]["accuracy"] == pytest.approx(0.5) and by["a"]["maj"] == pytest.approx(0.5)
+    assert by["a"]["accuracy"] == pytest.approx(0.5) and by["a"]["maj"] == pytest.approx(0.75)
     assert by["b"]["pass@2"] == 0.0 and by["b"]["problems"] == 1
     assert list(breakdown(rows, "difficulty", [1])) == [UNKNOWN]
 
@@ -234,9 +234,9 @@ def test_majority_vote_merges_what_the_task_equates() -> None:
     rows = _rows([[(a, int(a.strip() != "3")) for a in answers], [("2", 1), ("4", 0), ("2.0", 1), ("4", 0)]])
     assert summarize(rows, [1])["maj"] == pytest.approx(0.0)  # by key: 3 wins, and 4 (twice) beats 2 and 2.0
     m = summarize(rows, [1], _Checker())
-    # 1/2 wins; {2, 2.0} ties {4, 4} at two votes and wins the tie: its first sample comes first.
-    assert m["maj"] == pytest.approx(1.0) and m["maj_stderr"] == pytest.approx(0.0)
-    assert breakdown(rows, "domain", [1], _Checker())[UNKNOWN]["maj"] == pytest.approx(1.0)
+    # 1/2 wins; {2, 2.0} (right) ties {4, 4} (wrong) at two votes: half right, whichever was sampled first.
+    assert m["maj"] == pytest.approx(0.75) and m["maj_stderr"] == pytest.approx(0.25) and m["maj_ties"] == 1
+    assert breakdown(rows, "domain", [1], _Checker())[UNKNOWN]["maj"] == pytest.approx(0.75)
     # The group's grade comes from its first graded sample, whichever spelling that is.
     graded = _rows([[("0.5", 0), ("3", 0), ("1/2", 1), ("3", 0), ("\\frac{1}{2}", 1)]])
     graded[0]["failed"] = "reward"

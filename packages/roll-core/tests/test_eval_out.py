@@ -19,9 +19,9 @@ from roll_core.eval_metrics import breakdown, summarize
 # Four problems, two responses each: (extracted answer, correct). The right answer is "7".
 PROBLEMS = [
     [("7", 1), ("7", 1)],  # mean correctness 1,   pass@2 1, majority "7": right
-    [("7", 1), ("3", 0)],  # 0.5, pass@2 1, tie -> first "7": right
+    [("7", 1), ("3", 0)],  # 0.5, pass@2 1, tie of a right and a wrong answer: maj 0.5
     [("3", 0), ("3", 0)],  # 0,   pass@2 0, "3": wrong
-    [("3", 0), ("7", 1)],  # 0.5, pass@2 1, tie -> first "3": wrong
+    [("3", 0), ("7", 1)],  # 0.5, pass@2 1, the same tie sampled the other way round: 0.5
 ]
 
 
@@ -151,8 +151,8 @@ def test_summarize_gives_each_means_standard_error_over_problems() -> None:
     assert m["pass@1_stderr"] == pytest.approx(math.sqrt(1 / 24))  # pass@1 is the per-problem mean correctness
     # pass@2 per problem 1, 1, 0, 1: 0.75 +- sqrt(.75 * .25 / 3) = 0.25
     assert m["pass@2"] == pytest.approx(0.75) and m["pass@2_stderr"] == pytest.approx(0.25)
-    # majority right on 1, 1, 0, 0: 0.5 +- sqrt(.5 * .5 / 3)
-    assert m["maj"] == pytest.approx(0.5) and m["maj_stderr"] == pytest.approx(math.sqrt(1 / 12))
+    # majority right on 1, .5 (a tie), 0, .5 (a tie): 0.5 +- sqrt(1/24), as the accuracy
+    assert m["maj"] == pytest.approx(0.5) and m["maj_stderr"] == pytest.approx(math.sqrt(1 / 24))
     # one response per problem, scores 1, 0, 1, 1: 0.75 +- 0.25
     single = summarize(_rows([[("7", 1)], [("3", 0)], [("7", 1)], [("7", 1)]]), [1])
     assert single["accuracy"] == pytest.approx(0.75) and single["accuracy_stderr"] == pytest.approx(0.25)
@@ -175,7 +175,7 @@ def test_comparison_files_show_mean_plus_minus_standard_error(tmp_path: Path) ->
     assert "| d | 0.7500 ± 0.2500 (n=2) | 0.5000 ± 0.5000 (n=2) |" in md
     table = {r["model"]: r for r in csv.DictReader((tmp_path / "comparison.csv").open()) if r["breakdown"] == "all"}
     assert float(table["b"]["accuracy_stderr"]) == pytest.approx(0.25)
-    assert float(table["a"]["maj_stderr"]) == pytest.approx(math.sqrt(1 / 12))
+    assert float(table["a"]["maj_stderr"]) == pytest.approx(math.sqrt(1 / 24))
     stored = json.loads((tmp_path / "comparison.json").read_text())["models"][0]["metrics"]
     assert stored["accuracy_stderr"] == pytest.approx(math.sqrt(1 / 24))
 

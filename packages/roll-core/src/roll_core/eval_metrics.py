@@ -6,11 +6,13 @@ Contract:
   correct, given c of the n are, `1 - C(n-c, k) / C(n, k)`. Computed as the product `prod_{i=n-c+1}^{n} (1 - k/i)`,
   which never forms the huge binomials (exact for n in the thousands). Averaged over problems it is an unbiased
   estimate of the model's pass@k. `k > n` is an error (there are not k responses to draw).
-- `majority_vote(answers, same_answer=None)`: the most frequent extracted answer among a problem's samples.
-  Samples without an extracted answer (None) do not vote. Ties go to the answer that appears first in sample order
-  (the lowest sample index), so the result depends only on the samples, never on hashing or dict order. Answers
-  are keyed after stripping surrounding whitespace; the task's extractor gives one spelling per value where it can
-  (the math reward's: `1/2`, `0.5`, `\\dfrac12` all `0.5`), so most equal answers already share a key.
+- `majority_vote(answers, same_answer=None)`: the most frequent extracted answer among a problem's samples. Samples
+  without an extracted answer (None) do not vote (a problem where none has one scores 0 in maj@n). Ties go to the
+  answer that appears first in sample order (the lowest sample index), so the answer returned depends only on the
+  samples, never on hashing or dict order; maj@n does not score a tie by that answer (see `summarize`: which tied
+  answer was sampled first is chance). Answers are keyed after stripping surrounding whitespace; the task's
+  extractor gives one spelling per value where it can (the math reward's: `1/2`, `0.5`, `\\dfrac12` all `0.5`), so
+  most equal answers already share a key.
 - Answer equivalence (`vote_keys`): what a key cannot tell apart (`\\frac{\\sqrt2}{2}` and `\\frac{1}{\\sqrt{2}}`,
   `x=2` and `2`) the task's grader can: `same_answer(first, other) -> bool` (the task's or reward's own, found by
   roll_core.evaluate next to `extract_answer`; the math reward's is its symbolic check) merges distinct keys into
@@ -25,25 +27,32 @@ Contract:
   brute-force grouping): the early stop changes no winner, and a key it left unplaced still counts as the
   winner's when grading it (`summarize`'s maj@n) if placing it would have put it there.
 - `summarize(rows, ks, same_answer=None)`: every metric of a list of sample records (one per sampled response, as
-  `samples.jsonl` holds them): accuracy (mean correctness over all samples; the unbiased pass@1 when every problem
-  has the same number of samples, as roll-eval gives them, else pass@1 weighs problems equally and accuracy
-  samples), pass@k, maj@n (the fraction of problems whose majority answer is correct; None when no sample carried an
-  extracted answer field), mean response length in tokens, truncation rate (finish reason "length"), format rate,
-  mean reward, and the counts. `failed` counts the samples that were never graded (a row's `failed`: "reward" when
-  the reward could not score it, "engine" when the engine refused to finish it): they count as wrong in accuracy and
-  pass@k, as in a training run's eval/accuracy, and `failed` says by how much that lowers them. A failed sample's
-  extracted answer still votes, but whether the majority answer is right is read from a graded sample giving it (the
-  first in sample order whose answer is in the winning group; none: wrong), not from its first sample, which may be
-  a failed one, 0 whatever it answered. `failure(refused, unscored)` gives a row's `failed` field and
-  `counted_correct(row)` its correctness in these metrics; a training run's eval/accuracy counts with both.
-  `breakdown(rows, key, ks, same_answer=None)` is `summarize` per value of a row field (domain, difficulty).
+  `samples.jsonl` holds them): accuracy (each problem's mean correctness, averaged over problems: pass@1, whatever
+  the problems' sample counts; never pooled over samples, which would weigh a problem by how many samples it kept),
+  pass@k (per problem, then averaged; None for a k above the smallest sample count of a problem: computed over only
+  the problems with k samples it would be another problem set's number), maj@n (the mean over problems of whether
+  the majority answer is correct; a problem whose vote ties between several answers scores the fraction of the tied
+  answers that are correct, the expected score of a tie broken at random, and is counted in `maj_ties`: a tie
+  between a right and a wrong answer counts 1/2, never 1 or 0 by which was sampled first; None when no sample
+  carried an extracted answer field), and, as means over samples (pooled: rates of responses, not of problems), the
+  response length in tokens, truncation rate (finish reason "length"), format rate and reward; and the counts.
+  `failed` counts the samples that were never graded (a row's `failed`: "reward" when the reward could not score it,
+  "engine" when the engine refused to finish it): they count as wrong in accuracy and pass@k, as in a training run's
+  eval/accuracy, and `failed` says by how much that lowers them. A failed sample's extracted answer still votes, but
+  whether the majority answer is right is read from a graded sample giving it (the first in sample order whose
+  answer is in the winning group; none: wrong), not from its first sample, which may be a failed one, 0 whatever it
+  answered. `failure(refused, unscored)` gives a row's `failed` field and `counted_correct(row)` its correctness in
+  these metrics; a training run's eval/accuracy counts with both. `breakdown(rows, key, ks, same_answer=None)` is
+  `summarize` per value of a row field (domain, difficulty).
 - Uncertainty: `summarize` gives `accuracy_stderr`, `pass@k_stderr` and `maj_stderr`, the standard error of each
   mean over the P problems, `std_error(x) = s / sqrt(P)` with `s = sqrt(sum((x_i - mean)^2) / (P - 1))` the sample
   standard deviation of the per-problem scores x_i (a problem's mean correctness, its pass@k, its majority vote's
-  0/1). Per problem, not per response: a problem's n responses are not independent draws from the task (an easy
-  problem makes all of them right), and the held-out problems are the sample that decides how far the number can
-  move. For 0/1 scores it is `sqrt(p (1 - p) / (P - 1))` (scores 1, 0, 1, 1: 0.75 +- 0.25). None with one problem.
-  (When problems have different response counts, accuracy weighs responses and its standard error is pass@1's.)
+  0/1, or its share of right answers after a tie). Per problem, not per response: a problem's n responses are not
+  independent draws from the task (an easy problem makes all of them right), and the held-out problems are the
+  sample that decides how far the number can move. For 0/1 scores it is `sqrt(p (1 - p) / (P - 1))` (scores 1, 0,
+  1, 1: 0.75 +- 0.25). None with one problem. Problems with different sample counts are allowed (a warning says how
+  many fall short of the largest count). A graded sample's `correct` must be 0 or 1 (the RewardResult contract):
+  any other value is an error, since pass@k reads it as pass/fail and accuracy would average it.
   `rate_stderr(rate, n)` is the same standard error for a rate of n 0/1 outcomes kept only as the rate (an agentic
   evaluation's success rate over its n held-out episodes, one per seed: `success_rate_stderr`, `accuracy_stderr`).
 """
@@ -302,20 +311,48 @@ def counted_correct(row: Mapping[str, Any]) -> float:
     return 0.0 if row.get("failed") else float(row["correct"])
 
 
-def _majority_hit(samples: Sequence[Mapping[str, Any]], same_answer: SameAnswer | None) -> float:
-    """1.0 when one problem's majority answer is right: the first graded sample in sample order whose answer is in
-    the winning group is correct (module docstring). A sample the early stop of the vote left unplaced still counts
-    as the winner's when placing it would have put it there (`_Groups.in_group`): its own key is no evidence that
-    it answered otherwise ('b' and 'B' equal, 'b' graded right, both 'B' rows failed: right, not wrong)."""
+def _majority_hit(samples: Sequence[Mapping[str, Any]], same_answer: SameAnswer | None) -> tuple[float, bool]:
+    """(one problem's maj@n score, whether its vote tied). The score is 1.0 when the majority answer is right: the
+    first graded sample in sample order whose answer is in the winning group is correct (module docstring). Several
+    answers tied at the most votes: the fraction of them that are right (a tie broken at random), not the grade of
+    the one sampled first. A sample the early stop of the vote left unplaced still counts as the winner's when
+    placing it would have put it there (`_Groups.in_group`): its own key is no evidence that it answered otherwise
+    ('b' and 'B' equal, 'b' graded right, both 'B' rows failed: right, not wrong). The early stop only fires once one
+    group leads every other outright, so a tie never involves an unplaced answer."""
     keys = [_vote_key(r.get("extracted")) for r in samples]
     groups = _Groups(keys, same_answer, MAX_CHECKS)
-    answer, _ = _majority(groups.votes(keys))
-    if answer is None:  # no sample answered: wrong
-        return 0.0
+    counts, _ = _tally(groups.votes(keys))
+    if not counts:  # no sample answered: wrong
+        return 0.0, False
+    most = max(counts.values())
+    tied = [answer for answer, votes in counts.items() if votes == most]
+    grades = [_group_grade(samples, keys, groups, answer) for answer in tied]
+    return sum(grades) / len(grades), len(tied) > 1
+
+
+def _group_grade(
+    samples: Sequence[Mapping[str, Any]], keys: Sequence[str | None], groups: _Groups, answer: str
+) -> float:
+    """Whether the answer group `answer` is right: the grade of its first graded sample in sample order (0.0 when
+    every sample giving it failed)."""
     for row, key in zip(samples, keys):
         if key is not None and not row.get("failed") and groups.in_group(key, answer):
             return float(float(row["correct"]) > 0)
     return 0.0
+
+
+def _check_grades(problems: Mapping[Any, Sequence[Mapping[str, Any]]]) -> None:
+    """Refuse a graded sample whose `correct` is not 0 or 1 (module docstring)."""
+    for index, samples in problems.items():
+        for r in samples:
+            if r.get("failed"):
+                continue  # never graded: counted as 0 whatever it holds
+            value = float(r["correct"])
+            if value not in (0.0, 1.0):
+                raise ValueError(
+                    f"problem {index} sample {r['sample']}: correct={r['correct']!r}, but a sample's correctness "
+                    "must be 0 or 1 (pass@k and maj@n read it as pass/fail): the reward's `correct` must be 0/1"
+                )
 
 
 def summarize(
@@ -328,13 +365,24 @@ def summarize(
     if not rows:
         raise ValueError("no samples to summarize")
     problems = _group(rows)
+    _check_grades(problems)
     counts = [(len(s), int(sum(counted_correct(r) > 0 for r in s))) for s in problems.values()]
     n = len(rows)
     per_problem = [sum(counted_correct(r) for r in s) / len(s) for s in problems.values()]
+    largest = max(c[0] for c in counts)
+    short = sum(c[0] < largest for c in counts)
+    if short:
+        log.warning(
+            "%d of %d problems have fewer than %d samples: accuracy weighs every problem equally, pass@k above a "
+            "problem's count is not reported",
+            short,
+            len(counts),
+            largest,
+        )
     out: dict[str, Any] = {
         "problems": len(problems),
         "samples": n,
-        "accuracy": sum(counted_correct(r) for r in rows) / n,
+        "accuracy": sum(per_problem) / len(per_problem),  # per problem, then averaged (module docstring)
         "accuracy_stderr": std_error(per_problem),  # over problems (module docstring)
         "reward": sum(float(r["reward"]) for r in rows) / n,
         "length_mean": sum(float(r["length"]) for r in rows) / n,
@@ -348,13 +396,16 @@ def summarize(
         out[f"pass@{k}"] = sum(values) / len(values) if values else None
         out[f"pass@{k}_stderr"] = std_error(values) if values else None
     if any("extracted" in r for r in rows):
-        hits = []  # per problem: 1 when its majority answer is right
+        hits, ties = [], 0  # per problem: 1 when its majority answer is right (a tie: the fraction right)
         for samples in problems.values():
-            hits.append(_majority_hit(samples, same_answer))
+            hit, tied = _majority_hit(samples, same_answer)
+            hits.append(hit)
+            ties += tied
         out["maj"] = sum(hits) / len(problems)
         out["maj_stderr"] = std_error(hits)
+        out["maj_ties"] = ties
     else:
-        out["maj"] = out["maj_stderr"] = None
+        out["maj"] = out["maj_stderr"] = out["maj_ties"] = None
     return out
 
 

@@ -19,7 +19,9 @@ refusing (`pipeline.max_idle_aborts` aborts in a row without a token) stays "abo
 and are counted in the metrics' `failed`.
 
 Majority vote needs each response's extracted answer: the task's `extract_answer(response) -> str | None`, else
-its reward's (the math reward's: the last non-empty \\boxed{}, plain numbers in one spelling: 1,000 = 1000). The
+its reward's (the math reward's: the last non-empty \\boxed{}, plain numbers in one spelling: 1,000 = 1000); an
+extractor that declares a `choices` parameter gets the row's `choices` (its metadata's), as the reward grading it
+reads them (the visual reward: the last choice named), so that a vote is the answer that was graded. The
 same owner's `same_answer(first, other) -> bool`, when it has one, merges answers no spelling unites (the math
 reward's symbolic check: \\frac{1}{\\sqrt2} = \\frac{\\sqrt2}{2}; roll_core.eval_metrics.vote_keys). A task
 with neither reports maj@n as None and says so once in the log. Problems whose prompt exceeds
@@ -38,6 +40,7 @@ model.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -95,6 +98,18 @@ def answer_extractor(task: Any) -> Callable[[str], str | None] | None:
         if callable(fn):
             return fn
     return None
+
+
+def answer_reader(extract: Callable[..., str | None]) -> Callable[[str, Any], str | None]:
+    """`extract` as `(response, metadata) -> answer`: given the row's metadata `choices` when `extract` declares a
+    `choices` parameter (module docstring), else the response alone."""
+    try:
+        takes_choices = "choices" in inspect.signature(extract).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: the response alone
+        takes_choices = False
+    if not takes_choices:
+        return lambda text, meta: extract(text)
+    return lambda text, meta: extract(text, choices=(meta or {}).get("choices"))
 
 
 def answer_equivalence(task: Any) -> SameAnswer | None:
@@ -381,6 +396,7 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
     scored = collector.scoring.score(batch)
     unscored = scored["reward_failed"].tolist() if "reward_failed" in scored else [False] * len(batch)
     extract = answer_extractor(task)
+    read = None if extract is None else answer_reader(extract)
     if extract is None:
         log.warning("%s names no extract_answer (task or reward): maj@n is not reported", type(task).__name__)
     lengths = batch["response_mask"].sum(-1).tolist()
@@ -410,9 +426,9 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
         }
         if extract is not None and row["failed"] == "engine":
             row["extracted"] = None  # what a refused row holds is no finished answer: it does not vote
-        elif extract is not None:
+        elif read is not None:
             try:
-                row["extracted"] = extract(text)
+                row["extracted"] = read(text, meta)
             except Exception as exc:  # a response the extractor chokes on has no answer; counted, never fatal
                 extract_errors += 1
                 row["extracted"] = None
