@@ -1,7 +1,9 @@
 """Replies of a model whose generation prompt opens `<think>` (DeepSeek-R1 distills, QwQ, Qwen3 Thinking-2507) reach
 rewards and environments with the opening tag (roll_core.thinking). Such a reply carries no `<think>`: cut off
 mid-reasoning it had neither tag, and rewards read it whole, grading a `\\boxed{}` of its unfinished reasoning.
-Family tokenizers and templates of roll_core.testing.chat_templates; the reward worker's own scoring."""
+Family tokenizers and templates of roll_core.testing.chat_templates; the reward worker's own scoring, which asks the
+template's generation header (roll_core.thinking.header_opens_think, with model.chat_template_kwargs): a dataset
+prompt whose user text ends with `<think>` opens nothing, and the reward group hands the worker the prompt ids."""
 
 from __future__ import annotations
 
@@ -67,7 +69,9 @@ def test_the_reward_worker_hands_rewards_the_reply_with_the_tag_its_prompt_opene
         {"answer": ["5", "5"], "prompt_ids": prompts},
     )
     reward = _Recording()
-    worker = SimpleNamespace(tokenizer=tok, reward=GuardedReward(reward, isolation="inline"))
+    # R1's current template's header opens <think> (template_opens_think, test_a_dataset_prompt_...); the second
+    # prompt's ids do not end inside the block
+    worker = SimpleNamespace(tokenizer=tok, reward=GuardedReward(reward, isolation="inline"), header_opens_think=True)
     out = RewardWorker.score(worker, batch)
     # cut off while reasoning: the reward sees the open block (no verdict); the other prompt opened none
     assert reward.seen == ["<think>" + replies[0], replies[1]]
@@ -112,3 +116,71 @@ def test_an_environment_reads_each_turn_with_the_tag_the_generation_header_opene
     rollout = AgenticRollout(Engine(), EnvManager(Env, 0, step_timeout_s=10), TurnTemplate(tok), tok, limits)
     (traj,) = rollout.run([0], [0], SamplingParams(max_new_tokens=8))
     assert seen == ["<think>hmm", "<think>hmm"] and traj.texts == ["hmm", "hmm"]
+
+
+ARITHMETIC = {
+    "_target_": "roll_envs.tasks.arithmetic.ArithmeticTask",
+    "digits": 1,
+    "eval_size": 10,
+    "reward": {"_target_": "roll_envs.rewards.math.MathReward", "format_weight": 0.0},
+}
+
+
+def _batch(tok: Any, prompts: list[list[int]], replies: list[str]) -> Batch:
+    ids = [tok.encode(r, add_special_tokens=False) for r in replies]
+    width = max(map(len, ids))
+    return Batch(
+        {
+            "responses": torch.tensor([i + [0] * (width - len(i)) for i in ids]),
+            "response_mask": torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids]),
+        },
+        {"answer": ["5"] * len(ids), "prompt_ids": prompts},
+    )
+
+
+def test_a_dataset_prompt_whose_user_text_ends_with_think_opens_nothing(tmp_path: Any) -> None:
+    """Qwen3 (`<think>` an added token that keeps its id in a user's text; the model writes the tag itself): a
+    prompt whose user text ends with `<think>` held it within the ids `opens_think` reads, and the reward got
+    `<think>` + the reply: an answer read as unfinished reasoning, graded wrong."""
+    tok = family_tokenizer("qwen3")
+    tok.add_tokens(["user", "assistant"])  # one id each, as in Qwen's vocabulary (a shorter header)
+    tok.save_pretrained(tmp_path)
+    worker = RewardWorker(ARITHMETIC, str(tmp_path))
+    assert worker.header_opens_think is False
+    question = [{"role": "user", "content": "What is 2+3? Reason in <think>"}]
+    prompt = list(tok.apply_chat_template(question, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert tok.convert_tokens_to_ids("<think>") in prompt[-16:] and opens_think(tok, prompt)  # the ids alone: open
+    out = RewardWorker.score(worker, _batch(tok, [prompt], ["so \\boxed{5}"]))
+    assert out["correct"].tolist() == [1.0] and out["scores"].tolist() == [1.0]
+
+
+def test_the_reward_group_reads_the_header_with_the_models_template_kwargs(tmp_path: Any) -> None:
+    """A template whose header opens <think> only with a kwarg (DeepSeek-V3.1's `thinking`): the prompts rendered
+    with it open the block, and a reply cut off while reasoning has no answer; rendered without, the same reply is
+    graded. The reward group passed the workers no prompt ids (the tag was never put back in a run)."""
+    from roll_core.cluster.roles import RewardGroup, template_opens_think
+
+    tok = family_tokenizer("deepseek_r1")
+    header = "{%- if add_generation_prompt -%}{{- '<|Assistant|>' -}}{%- endif -%}"
+    assert header in tok.chat_template
+    tok.chat_template = tok.chat_template.replace(
+        header,
+        "{%- if add_generation_prompt -%}{{- '<|Assistant|>' -}}"
+        "{%- if thinking is defined and thinking -%}{{- '<think>\\n' -}}{%- endif -%}{%- endif -%}",
+    )
+    tok.save_pretrained(tmp_path)
+    assert template_opens_think(tok, {"thinking": True}) and not template_opens_think(tok)
+    cut_off = "2 plus 3 is \\boxed{5}, or is it"
+    scored = {}
+    for kwargs in ({"thinking": True}, {}):
+        prompt = _prompt(tok, False, **kwargs)
+        group = RewardGroup(
+            RewardWorker, 1, "local", env=ARITHMETIC, tokenizer_path=str(tmp_path), chat_template_kwargs=kwargs
+        )
+        try:
+            out = group.score(_batch(tok, [prompt], [cut_off]))
+        finally:
+            group.shutdown()
+        scored[bool(kwargs)] = out["correct"].tolist()
+        assert out["response_text"] == [cut_off]
+    assert scored == {True: [0.0], False: [1.0]}

@@ -17,6 +17,10 @@ template) and the turns sampled before it are dropped from training (counted in 
 token was sampled in exactly the context the trainer sees. With `on_rewrite="refuse"` the request gets HTTP 400
 (code `history_rewritten`) and the session is unchanged.
 
+A turn cut by its token limit (`max_tokens_per_turn`, or the request's own `max_tokens` below it) is counted in
+`Trajectory.cut_turns`; one cut short of that limit by the context (its budget was what was left of
+`max_context_length`, or the engine stopped it at its own context) in `Trajectory.context_cut_turns` instead.
+
 Limits (`SessionLimits`) stop a session, never the run: a request past `max_turns` gets HTTP 400
 (`max_turns_exceeded`), as does every later one, and ends the trajectory there (`end`). A request whose context
 leaves no room to generate within `max_context_length` gets HTTP 400 (`context_length_exceeded`) and marks the
@@ -38,16 +42,18 @@ turns the agent had seen, or a 400 it could not recover from.) An episode gets a
 400 `too_many_retries` after that), so a client that retries forever cannot outlast its turn limit.
 
 A turn request the engine aborts on its own (preemption) is resumed from the tokens it generated, within the turn's
-budget (counted in `resumed`), so the agent never sees an engine's abort as the end of its session; one the engine
-aborts `max_idle_aborts` times in a row without a token (`pipeline.max_idle_aborts`, passed by the agent collector;
-default `MAX_IDLE_ABORTS`) is refused with HTTP 503 (`engine_aborted`, naming the key), the conversation unchanged.
-Between those idle aborts the session waits, doubling from `IDLE_BACKOFF_S` up to `IDLE_BACKOFF_MAX_S` per wait
-(`idle_backoff_total_s(max_idle_aborts)` in all, about 3.5 s by default), so an engine that refuses for a moment
-(paused for a weight sync) serves the turn instead of refusing the agent within milliseconds; closing the session
-ends the wait at once. Until a later turn is sampled the trajectory is marked ended there (`end` "abort") and
-`untrained` (roll_core.agentic.trajectory.to_tensors masks it out): an agent that gives up on the refusal fails
-through no fault of the policy, and scoring its turns with the failure reward trained the engine's refusal as the
-policy's failure. The 503 carries a Retry-After (`ABORTED_RETRY_AFTER_S`): the engine may still be paused.
+budget (counted in `resumed`), so the agent never sees an engine's abort as the end of its session (a stop string the
+aborted attempt began and the resumed one completed ends the turn there, as without the abort:
+roll_core.agentic.resume_stops); one the engine aborts `max_idle_aborts` times in a row without a token
+(`pipeline.max_idle_aborts`, passed by the agent collector; default `MAX_IDLE_ABORTS`) is refused with HTTP 503
+(`engine_aborted`, naming the key), the conversation unchanged. Between those idle aborts the session waits, doubling
+from `IDLE_BACKOFF_S` up to `IDLE_BACKOFF_MAX_S` per wait (`idle_backoff_total_s(max_idle_aborts)` in all, about
+3.5 s by default), so an engine that refuses for a moment (paused for a weight sync) serves the turn instead of
+refusing the agent within milliseconds; closing the session ends the wait at once. Until a later turn is sampled the
+trajectory is marked ended there (`end` "abort") and `untrained` (roll_core.agentic.trajectory.to_tensors masks it
+out): an agent that gives up on the refusal fails through no fault of the policy, and scoring its turns with the
+failure reward trained the engine's refusal as the policy's failure. The 503 carries a Retry-After
+(`ABORTED_RETRY_AFTER_S`): the engine may still be paused.
 
 A turn whose engine request raises (the engine failed or was stopped mid-request, or its rank died and restarts
 were used up) records nothing of that turn (tokens of a preempted attempt before it included), is counted in
@@ -100,6 +106,7 @@ from roll_core.agentic.agent_messages import (  # noqa: F401 (SessionError, ROLE
     template_message,
     turn_key,
 )
+from roll_core.agentic.resume_stops import split_stop
 from roll_core.agentic.trajectory import Trajectory
 from roll_core.agentic.turn_gate import ABORT_TIMEOUT_S, GateClosed, TurnGate
 from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
@@ -243,7 +250,11 @@ class AgentSession:
         # The state the turn acted in, for step-level estimators (GiGPO): the conversation the agent sent.
         state = json.dumps([turn.messages, turn.tools], sort_keys=True, default=str)
         self.traj.state_keys.append(hashlib.blake2b(state.encode(), digest_size=8).hexdigest())
-        self.traj.cut_turns += int(finish == "length")
+        if finish == "length":  # short of the turn's own limit: the context cut it (what was left, or the engine's)
+            limit = min(self.limits.max_tokens_per_turn, turn.max_tokens or self.limits.max_tokens_per_turn)
+            by_context = len(token_ids) < limit
+            self.traj.context_cut_turns += int(by_context)
+            self.traj.cut_turns += int(not by_context)
         self.traj.tool_calls += len(message.get("tool_calls", []))
         self.traj.texts.append(message.get("content") or "")
         self.traj.versions.append(0)
@@ -278,8 +289,8 @@ class AgentSessions:
     """The sessions of a run and the one path from a chat request to an engine request and back (thread-safe).
 
     `infer` is the inference group's request API (`submit_request`, `abort`); `template` builds token ids from
-    messages (`initial_messages(messages, tools=)`, `continuation(messages, tools=, response_ids=)`, `stop_token_ids`:
-    roll_core.agentic.chat.TurnTemplate);
+    messages (`initial_messages(messages, tools=)`, `continuation(messages, tools=, response_ids=)`, `stop_token_ids`,
+    and its `tokenizer`, which reads a resumed turn's stop strings: roll_core.agentic.chat.TurnTemplate);
     `parse` turns a response's text into content and tool calls (roll_core.agentic.openai_server.PARSERS);
     `decode` is the tokenizer's decode; `abort_timeout_s` how long an aborted request may take to bring its result
     before it is lost; `max_idle_aborts` (pipeline.max_idle_aborts) the engine's own aborts of a turn request in a
@@ -465,7 +476,9 @@ class AgentSessions:
         resumed from what it generated, within the turn's budget, instead of ending the episode as if the agent had
         failed; `max_idle_aborts` of them in a row without a token, with a growing wait between them
         (`idle_backoff_s`), are a refusal ("abort"). An abort that left the whole budget generated is "length". A
-        closed session's request is not resumed, nor a constrained (`structured`) one that generated tokens."""
+        stop string of `params.stop` split across the attempts ends the turn at its completing token, "stop", as
+        without the abort (roll_core.agentic.resume_stops). A closed session's request is not resumed, nor a
+        constrained (`structured`) one that generated tokens."""
         tokens: list[int] = []
         logprobs: list[float] = []
         idle = 0
@@ -480,9 +493,16 @@ class AgentSessions:
                 out = self._request(s, Request(rid, context + tokens, params.replace(max_new_tokens=budget, seed=seed)))
             finally:
                 s.request_id = None
+            earlier = len(tokens)
             tokens += list(out.token_ids)
             logprobs += list(out.logprobs)
             finish = out.finish_reason
+            # A stop string the earlier attempts began and this one completed: no engine saw it whole (each reads
+            # only its request's new text), so the turn is cut where an unaborted one stopped.
+            cut = split_stop(self.template.tokenizer, context, tokens, earlier, params.stop) if params.stop else None
+            if cut is not None:
+                del tokens[cut:], logprobs[cut:]
+                finish = "stop"
             if finish == "abort" and len(tokens) >= params.max_new_tokens:
                 finish = "length"
             # A constrained turn cannot go on from a prefix (the engine would start the constraint over after it).

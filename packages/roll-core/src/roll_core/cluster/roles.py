@@ -272,11 +272,22 @@ class RewardWorker(Worker):
     """Decodes responses and scores them with the task's reward, guarded (roll_core.cluster.reward_guard): a row
     whose reward raises, hangs or is NaN/inf scores a fixed value and is counted; it never fails the call.
 
+    A reply whose prompt (`prompt_ids`: the chat-templated prompt) opened a `<think>` block reaches the reward with
+    the tag put back (roll_core.thinking.reply_text). Opened means: the chat template's own generation header opens
+    the block (`header_opens_think`, rendered with `chat_template_kwargs`: model.chat_template_kwargs, as the prompts
+    were) and the prompt's ids end inside it (`opens_think`); a prompt whose user text ends with `<think>` opens
+    nothing. A tokenizer without a chat template (the prompts used a processor's own) falls back to the ids alone.
+
     Stateless between calls: a restarted reward worker needs nothing restored.
     """
 
     def __init__(
-        self, env: dict[str, Any], tokenizer_path: str, guard: dict[str, Any] | None = None, **base: Any
+        self,
+        env: dict[str, Any],
+        tokenizer_path: str,
+        guard: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **base: Any,
     ) -> None:
         super().__init__(**base)
         from transformers import AutoTokenizer
@@ -286,6 +297,7 @@ class RewardWorker(Worker):
         self.task: Task = build(env)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.reward = GuardedReward(self.task.reward, name=f"reward worker {self.rank}", **(guard or {}))
+        self.header_opens_think = template_opens_think(self.tokenizer, chat_template_kwargs)
 
     @dispatch(Dispatch.DP)
     def score(self, batch: Batch) -> Batch:
@@ -293,7 +305,9 @@ class RewardWorker(Worker):
             self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
             for r, m in zip(batch["responses"], batch["response_mask"])
         ]
-        if "prompt_ids" in batch:  # a template that opens <think>: the reply's reasoning carries no opening tag
+        # A template that opens <think>: the reply's reasoning carries no opening tag. (A worker state without the
+        # header's verdict, as tests build one, reads the ids alone.)
+        if "prompt_ids" in batch and getattr(self, "header_opens_think", None) is not False:
             from roll_core.thinking import opens_think, reply_text
 
             replies = [reply_text(t, opens_think(self.tokenizer, p)) for t, p in zip(texts, batch["prompt_ids"])]
@@ -320,6 +334,27 @@ class RewardWorker(Worker):
         out.meta["reward_counters"] = res.counters
         out.meta["reward_failure"] = self.reward.last_failure
         return out
+
+
+def template_opens_think(tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> bool | None:
+    """Whether `tokenizer`'s chat template opens `<think>` in its generation header, rendered with
+    `chat_template_kwargs` (roll_core.thinking.header_opens_think); None (logged) where it has no chat template or
+    cannot render one: the prompt's ids alone then decide."""
+    from roll_core.thinking import header_opens_think
+
+    if not getattr(tokenizer, "chat_template", None):
+        log.info("reward worker: the tokenizer has no chat template: a prompt's last ids say whether it opened <think>")
+        return None
+    try:
+        return header_opens_think(tokenizer, (), chat_template_kwargs)
+    except Exception as exc:  # a template that needs other messages (a system one) or renders no plain user turn
+        log.warning(
+            "reward worker: the chat template's generation header could not be read (%s: %s): a prompt's last ids "
+            "say whether it opened <think>",
+            type(exc).__name__,
+            exc,
+        )
+        return None
 
 
 def _sum_counters(parts: list[Batch]) -> dict[str, int]:
@@ -403,7 +438,8 @@ class RewardGroup(WorkerGroup[RewardWorker]):
         NaN/inf on all); `meta["reward_failure"]`: the first failure as one line, or None."""
         from roll_core.cluster.reward_guard import all_rows_failed
 
-        context = [k for k in ("prompt_text", "metadata") if k in batch]
+        # prompt_ids: whether a prompt opened <think> (RewardWorker), read with the template's header
+        context = [k for k in ("prompt_text", "metadata", "prompt_ids") if k in batch]
         handle = self.submit(RewardWorker.score, batch.select("responses", "response_mask", "answer", *context))
         parts = handle.values()
         out = Batch.concat(parts)

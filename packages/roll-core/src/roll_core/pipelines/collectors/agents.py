@@ -413,7 +413,9 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
         "episode/turns_mean": turns / n,
         "episode/tokens_mean": sum(sum(e.traj.mask) for e in episodes) / n,  # trained (sampled) tokens
         "episode/tool_calls_mean": sum(e.traj.tool_calls for e in episodes) / n,
-        "episode/cut_turn_rate": sum(e.traj.cut_turns for e in episodes) / max(kept, 1),
+        "episode/cut_turn_rate": sum(e.traj.cut_turns for e in episodes) / max(kept, 1),  # by the turn's limit
+        # by the context: a budget cut to what was left of max_context_length, or the engine's own context
+        "episode/context_cut_turn_rate": sum(e.traj.context_cut_turns for e in episodes) / max(kept, 1),
         "response/length_mean": sum(sum(e.traj.mask) for e in episodes) / max(kept, 1),
         "agent/failed_episodes": float(sum(failures.values())),
         # the engine refused the last request (503): not the agent's failure, not trained

@@ -299,6 +299,7 @@ class _TaskEval:
             env=as_dict(cfg.env),
             tokenizer_path=cfg.model.tokenizer or ctx.model_path,
             guard=cfg.pipeline.reward_guard(),
+            chat_template_kwargs=cfg.model.chat_template_kwargs,  # as the prompts were rendered
         )
 
     def __call__(self, step: int) -> dict[str, float]:

@@ -150,6 +150,7 @@ class DPOCollector:
                 env=as_dict(cfg.env),
                 tokenizer_path=cfg.model.tokenizer or ctx.model_path,
                 guard=cfg.pipeline.reward_guard(),
+                chat_template_kwargs=cfg.model.chat_template_kwargs,  # as the prompts were rendered
             )
 
     # ---- the collector contract ---------------------------------------------------------------------------

@@ -143,6 +143,7 @@ class PromptCollector:
             env=as_dict(cfg.env),
             tokenizer_path=cfg.model.tokenizer or ctx.model_path,
             guard=cfg.pipeline.reward_guard(),  # errors, NaN and hangs become counted rows
+            chat_template_kwargs=cfg.model.chat_template_kwargs,  # as the prompts were rendered
         )
         # The reward model role (reward_model=hf): scores after the task's reward, adds to or replaces its scores.
         self.reward_model = None

@@ -274,6 +274,7 @@ class SFTCollector:
                 env=as_dict(cfg.env),
                 tokenizer_path=cfg.model.tokenizer or self.ctx.model_path,
                 guard=cfg.pipeline.reward_guard(),
+                chat_template_kwargs=cfg.model.chat_template_kwargs,  # as the prompts were rendered
             )
         return self.reward
 
