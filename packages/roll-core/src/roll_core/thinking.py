@@ -13,8 +13,10 @@ writes after the last message's content, up to where the model starts) opens `<t
 agentic episode reads it once per template (roll_core.agentic.rollout): an observation is untrusted text, and
 one whose last ids spell `<think>` (an added token that is not the template's framing keeps its id there) sat
 within the ids `opens_think` reads, so the environment took the next reply for unfinished reasoning.
-`opens_think` reads a prompt's last TAIL_TOKENS ids instead, for callers that have the ids and no template (the
-reward worker's single-turn prompts, whose text the dataset vouches for).
+`opens_think` reads a prompt's last TAIL_TOKENS ids, for callers that have the ids and no template. The reward
+worker (roll_core.cluster.roles) uses both: a row opens `<think>` when the template's header opens it and the
+prompt's ids still end inside the block (a dataset prompt whose user text ends in `<think>` no longer counts); a
+tokenizer without a usable template falls back to the ids alone.
 """
 
 from __future__ import annotations
