@@ -325,8 +325,8 @@ def _rows(samples: list[tuple[str | None, float, str | None]]) -> list[dict[str,
 
 def _brute_force_maj(rows: list[dict[str, Any]], same: Any) -> float:
     """maj@n by its definition: every key placed (most voted first, then earliest; each joins the first group, in
-    opening order, whose representative equals it), the most voted group wins, graded by its first graded sample in
-    sample order (groups tied at the most votes: the mean of their grades)."""
+    opening order, whose representative equals it), the most voted group wins, graded by the majority of its graded
+    samples' grades (an even split: 1/2; groups tied at the most votes: the mean of their grades)."""
     keys = [(r["extracted"] or "").strip() or None for r in rows]
     first: dict[str, int] = {}
     count: dict[str, int] = {}
@@ -346,8 +346,11 @@ def _brute_force_maj(rows: list[dict[str, Any]], same: Any) -> float:
     most = max(votes.values())
     grades = []
     for winner in (rep for rep in reps if votes[rep] == most):
-        graded = (r for r, k in zip(rows, keys) if k is not None and not r["failed"] and group[k] == winner)
-        grades.append(next((float(r["correct"] > 0) for r in graded), 0.0))
+        graded = [
+            r["correct"] > 0 for r, k in zip(rows, keys) if k is not None and not r["failed"] and group[k] == winner
+        ]
+        right, wrong = sum(graded), len(graded) - sum(graded)
+        grades.append(0.0 if not graded else 0.5 if right == wrong else float(right > wrong))
     return sum(grades) / len(grades)
 
 

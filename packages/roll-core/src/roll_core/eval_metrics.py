@@ -39,9 +39,12 @@ Contract:
   `failed` counts the samples that were never graded (a row's `failed`: "reward" when the reward could not score it,
   "engine" when the engine refused to finish it): they count as wrong in accuracy and pass@k, as in a training run's
   eval/accuracy, and `failed` says by how much that lowers them. A failed sample's extracted answer still votes, but
-  whether the majority answer is right is read from a graded sample giving it (the first in sample order whose
-  answer is in the winning group; none: wrong), not from its first sample, which may be a failed one, 0 whatever it
-  answered. `failure(refused, unscored)` gives a row's `failed` field and `counted_correct(row)` its correctness in
+  whether the majority answer is right is read from the graded samples giving it (none: wrong), never from a
+  failed one, 0 whatever it answered: the majority of their grades, half right where they split evenly. Samples
+  of one answer group can disagree (a math-verify timeout grading one copy of a right answer wrong; a `same_answer`
+  merging answers the grader tells apart): the grade of whichever was sampled first would make maj@n 1 or 0 by
+  sampling order; `maj_split_grades` counts the problems where a scored group's grades disagreed (a warning says
+  so). `failure(refused, unscored)` gives a row's `failed` field and `counted_correct(row)` its correctness in
   these metrics; a training run's eval/accuracy counts with both. `breakdown(rows, key, ks, same_answer=None)` is
   `summarize` per value of a row field (domain, difficulty).
 - Uncertainty: `summarize` gives `accuracy_stderr`, `pass@k_stderr` and `maj_stderr`, the standard error of each
@@ -52,7 +55,8 @@ Contract:
   sample that decides how far the number can move. For 0/1 scores it is `sqrt(p (1 - p) / (P - 1))` (scores 1, 0,
   1, 1: 0.75 +- 0.25). None with one problem. Problems with different sample counts are allowed (a warning says how
   many fall short of the largest count). A graded sample's `correct` must be 0 or 1 (the RewardResult contract):
-  any other value is an error, since pass@k reads it as pass/fail and accuracy would average it.
+  any other value is an error, since pass@k reads it as pass/fail and accuracy would average it (`is_grade`; a
+  training run's eval/accuracy counts such a row as failed instead, as the reward guard flags it).
   `rate_stderr(rate, n)` is the same standard error for a rate of n 0/1 outcomes kept only as the rate (an agentic
   evaluation's success rate over its n held-out episodes, one per seed: `success_rate_stderr`, `accuracy_stderr`).
 """
@@ -311,9 +315,9 @@ def counted_correct(row: Mapping[str, Any]) -> float:
     return 0.0 if row.get("failed") else float(row["correct"])
 
 
-def _majority_hit(samples: Sequence[Mapping[str, Any]], same_answer: SameAnswer | None) -> tuple[float, bool]:
-    """(one problem's maj@n score, whether its vote tied). The score is 1.0 when the majority answer is right: the
-    first graded sample in sample order whose answer is in the winning group is correct (module docstring). Several
+def _majority_hit(samples: Sequence[Mapping[str, Any]], same_answer: SameAnswer | None) -> tuple[float, bool, bool]:
+    """(one problem's maj@n score, whether its vote tied, whether a scored group's grades split). The score is the
+    winning group's grade (`_group_grade`: the majority of its graded samples' grades, module docstring). Several
     answers tied at the most votes: the fraction of them that are right (a tie broken at random), not the grade of
     the one sampled first. A sample the early stop of the vote left unplaced still counts as the winner's when
     placing it would have put it there (`_Groups.in_group`): its own key is no evidence that it answered otherwise
@@ -323,22 +327,45 @@ def _majority_hit(samples: Sequence[Mapping[str, Any]], same_answer: SameAnswer 
     groups = _Groups(keys, same_answer, MAX_CHECKS)
     counts, _ = _tally(groups.votes(keys))
     if not counts:  # no sample answered: wrong
-        return 0.0, False
+        return 0.0, False, False
     most = max(counts.values())
     tied = [answer for answer, votes in counts.items() if votes == most]
-    grades = [_group_grade(samples, keys, groups, answer) for answer in tied]
-    return sum(grades) / len(grades), len(tied) > 1
+    graded = [_group_grade(samples, keys, groups, answer) for answer in tied]
+    grades = [grade for grade, _ in graded]
+    return sum(grades) / len(grades), len(tied) > 1, any(split for _, split in graded)
 
 
 def _group_grade(
     samples: Sequence[Mapping[str, Any]], keys: Sequence[str | None], groups: _Groups, answer: str
-) -> float:
-    """Whether the answer group `answer` is right: the grade of its first graded sample in sample order (0.0 when
-    every sample giving it failed)."""
+) -> tuple[float, bool]:
+    """(whether the answer group `answer` is right, whether its grades split). Its graded samples (failed ones give
+    no grade) vote: 1.0 when most are right, 0.0 when most are wrong, 0.5 when they split evenly (the fraction
+    right, as a tie between answers scores), 0.0 when every sample giving it failed; never the grade of whichever
+    was sampled first (module docstring)."""
+    right = wrong = 0
     for row, key in zip(samples, keys):
         if key is not None and not row.get("failed") and groups.in_group(key, answer):
-            return float(float(row["correct"]) > 0)
-    return 0.0
+            if float(row["correct"]) > 0:
+                right += 1
+            else:
+                wrong += 1
+    split = right > 0 and wrong > 0
+    if right == wrong:
+        return (0.5 if right else 0.0), split
+    return float(right > wrong), split
+
+
+def is_grade(correct: Any) -> bool:
+    """Whether a sample's `correct` is a grade: 0 or 1 (a bool included). 0.5, NaN or text is none (nor is None
+    here: the reward guard writes a None grade as 0 before any row holds it): roll-eval's `summarize` refuses such
+    a graded sample; a training run's eval/accuracy (roll_core.pipelines.rollout.evaluate) counts it as a failed
+    one, as roll's reward guard (roll_core.cluster.reward_guard) flags it."""
+    if isinstance(correct, (str, bytes)) or correct is None:
+        return False
+    try:
+        return float(correct) in (0.0, 1.0)
+    except (TypeError, ValueError):
+        return False
 
 
 def _check_grades(problems: Mapping[Any, Sequence[Mapping[str, Any]]]) -> None:
@@ -347,8 +374,7 @@ def _check_grades(problems: Mapping[Any, Sequence[Mapping[str, Any]]]) -> None:
         for r in samples:
             if r.get("failed"):
                 continue  # never graded: counted as 0 whatever it holds
-            value = float(r["correct"])
-            if value not in (0.0, 1.0):
+            if not is_grade(r["correct"]):
                 raise ValueError(
                     f"problem {index} sample {r['sample']}: correct={r['correct']!r}, but a sample's correctness "
                     "must be 0 or 1 (pass@k and maj@n read it as pass/fail): the reward's `correct` must be 0/1"
@@ -396,16 +422,25 @@ def summarize(
         out[f"pass@{k}"] = sum(values) / len(values) if values else None
         out[f"pass@{k}_stderr"] = std_error(values) if values else None
     if any("extracted" in r for r in rows):
-        hits, ties = [], 0  # per problem: 1 when its majority answer is right (a tie: the fraction right)
+        hits, ties, splits = [], 0, 0  # per problem: 1 when its majority answer is right (a tie: the fraction right)
         for samples in problems.values():
-            hit, tied = _majority_hit(samples, same_answer)
+            hit, tied, split = _majority_hit(samples, same_answer)
             hits.append(hit)
             ties += tied
+            splits += split
+        if splits:
+            log.warning(
+                "maj@n: in %d of %d problems the samples giving a scored answer were graded both right and wrong "
+                "(a grader timeout?): the group counts by the majority of its grades",
+                splits,
+                len(problems),
+            )
         out["maj"] = sum(hits) / len(problems)
         out["maj_stderr"] = std_error(hits)
         out["maj_ties"] = ties
+        out["maj_split_grades"] = splits
     else:
-        out["maj"] = out["maj_stderr"] = out["maj_ties"] = None
+        out["maj"] = out["maj_stderr"] = out["maj_ties"] = out["maj_split_grades"] = None
     return out
 
 

@@ -40,7 +40,6 @@ model.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,7 +53,7 @@ from roll_core.config.compose import ConfigError
 from roll_core.eval_metrics import SameAnswer, breakdown, difficulty_of, failure, memoized, rate_stderr, summarize
 from roll_core.interfaces.agentic import INFO_COUNTERS
 from roll_core.interfaces.inference import GREEDY_TEMPERATURE
-from roll_core.interfaces.tasks import AgenticTask
+from roll_core.interfaces.tasks import AgenticTask, answer_reader
 from roll_core.models import resolve_model_path
 from roll_core.pipelines.collectors import CollectorContext
 from roll_core.pipelines.wiring import sampling_params
@@ -98,18 +97,6 @@ def answer_extractor(task: Any) -> Callable[[str], str | None] | None:
         if callable(fn):
             return fn
     return None
-
-
-def answer_reader(extract: Callable[..., str | None]) -> Callable[[str, Any], str | None]:
-    """`extract` as `(response, metadata) -> answer`: given the row's metadata `choices` when `extract` declares a
-    `choices` parameter (module docstring), else the response alone."""
-    try:
-        takes_choices = "choices" in inspect.signature(extract).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: the response alone
-        takes_choices = False
-    if not takes_choices:
-        return lambda text, meta: extract(text)
-    return lambda text, meta: extract(text, choices=(meta or {}).get("choices"))
 
 
 def answer_equivalence(task: Any) -> SameAnswer | None:

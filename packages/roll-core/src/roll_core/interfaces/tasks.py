@@ -15,7 +15,7 @@ rows left out as held out); the collectors put them in the run's metrics and sum
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -87,6 +87,22 @@ def reward_kwargs(reward: Any, **context: Any) -> dict[str, Any]:
         return {}
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     return {k: v for k, v in context.items() if v is not None and (k in params or (takes_all and k not in _NAMED_ONLY))}
+
+
+def answer_reader(extract: Callable[..., str | None]) -> Callable[[str, Any], str | None]:
+    """A reward's (or task's) `extract_answer` as `(response, metadata) -> answer`: given the row's metadata
+    `choices` when `extract` declares a `choices` parameter (the visual reward: the last of the row's choices
+    named), else the response alone; so whoever reads a reply's answer (roll-eval's votes, QAEnv's "has an answer")
+    reads the one the reward grades, which `score` finds with the row's metadata."""
+    import inspect
+
+    try:
+        takes_choices = "choices" in inspect.signature(extract).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: the response alone
+        takes_choices = False
+    if not takes_choices:
+        return lambda text, meta: extract(text)
+    return lambda text, meta: extract(text, choices=(meta or {}).get("choices"))
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from roll_core.errors import ConfigError
-from roll_core.eval_metrics import UNKNOWN, counted_correct, failure, std_error
+from roll_core.eval_metrics import UNKNOWN, counted_correct, failure, is_grade, std_error
 from roll_core.interfaces import SamplingParams
 from roll_core.protocol import Batch, build_sequences, pad_left
 
@@ -401,7 +401,11 @@ def evaluate(
     the same model with --n 1 gives the same accuracy: a row the engine left "abort" (refused after
     pipeline.max_idle_aborts idle aborts by an `infer` that resumes, as the prompts collector's does; never
     finished otherwise) and a row the reward failed on (`reward_failed`: its NaN score replaced, its grade kept)
-    are wrong whatever their `correct` says; their scores still count in the reward. `n` (the run's `eval/n`) is
+    are wrong whatever their `correct` says; their scores still count in the reward. A graded row whose `correct`
+    is no grade (not 0 or 1: partial credit 0.5, NaN; eval_metrics.is_grade) is such a failed row too, as the
+    reward guard in front of the reward role makes it (reward_guard: failed, its `correct` 0), so a scoring that
+    bypassed the guard gives the same accuracy, never one raised by a fraction: `invalid_correct` counts them (a
+    warning says so). `n` (the run's `eval/n`) is
     the problems scored: those whose prompt exceeds `max_prompt_length` (`skipped_long`) or fills the engine's
     context (`skipped_context`, dropped by `assemble`) are not in it, nor in the accuracy."""
     metrics: dict[str, Any] = {}
@@ -411,18 +415,27 @@ def evaluate(
     scored = reward.score(batch)
     reasons = batch["finish_reason"] if "finish_reason" in batch else ["stop"] * len(batch)
     unscored = scored["reward_failed"].tolist() if "reward_failed" in scored else [False] * len(batch)
-    correct = torch.tensor(
-        [
-            counted_correct({"correct": float(c), "failed": failure(why == "abort", bool(bad))})
-            for c, why, bad in zip(scored["correct"].tolist(), reasons, unscored, strict=True)
-        ]
-    )
+    counted, invalid = [], 0
+    for c, why, bad in zip(scored["correct"].tolist(), reasons, unscored, strict=True):
+        failed = failure(why == "abort", bool(bad))
+        if failed is None and not is_grade(c):  # no grade: a failed row, as the reward guard flags it
+            failed, invalid = failure(False, True), invalid + 1
+        counted.append(counted_correct({"correct": c, "failed": failed}))
+    if invalid:
+        log.warning(
+            "evaluation: %d of %d rows have a correct that is not 0 or 1 (the reward's grade must be 0/1): counted "
+            "as failed rows (wrong)",
+            invalid,
+            len(counted),
+        )
+    correct = torch.tensor(counted)
     out: dict[str, Any] = {
         "accuracy": float(correct.mean()),
         # over problems, as roll-eval's (one sample each here); None for fewer than two problems
         "accuracy_stderr": std_error(correct.tolist()),
         "reward": float(scored["scores"].mean()),
         "n": len(batch),  # one row per scored problem
+        "invalid_correct": invalid,  # graded rows whose correct was no grade: counted as failed (docstring)
         "skipped_long": int(metrics.get("data/skipped_long_prompts", 0)),
         "skipped_context": int(metrics.get("data/skipped_context_prompts", 0)),
     }

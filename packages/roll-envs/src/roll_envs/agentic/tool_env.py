@@ -60,7 +60,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from roll_core.interfaces.tasks import reward_kwargs
+from roll_core.interfaces.tasks import answer_reader, reward_kwargs
 from roll_envs._digit_groups import join_digit_groups
 from roll_envs.agentic._tool_syntax import find_calls
 from roll_envs.agentic.base import Outcome, TextEnv, echo, extract_action, trim_action
@@ -135,7 +135,9 @@ class QAEnv(TextEnv):
       so the episode's reward is what the task's reward gives the same reply (the env's reading used to disagree:
       an unboxed `167` passed the env's check and MathReward scored it 0; `\\boxed{1000 dollars}` was invalid).
       The reply has an answer when the reward's `extract_answer(reply)` finds one (MathReward: the last non-empty
-      `\\boxed{}`; an answer of only wrapping or empty boxes, `\\boxed{\\boxed{}}`, is none); a reward without
+      `\\boxed{}`; an answer of only wrapping or empty boxes, `\\boxed{\\boxed{}}`, is none; an extractor that
+      declares `choices` gets the problem's metadata `choices`, as the reward's `score` reads them: the visual
+      reward's answer is the last choice named, and a reply naming none has no answer); a reward without
       `extract_answer` grades the whole reply, which then has an answer when it is not blank. A reply with an
       answer ends the episode: correct is `reward.score([reply], [answer]).correct[0]` on the whole reply (with
       `prompts`/`metadata` where `score` declares them, as roll's reward role gives them); one without is an
@@ -208,7 +210,9 @@ class QAEnv(TextEnv):
         """Whether the reward finds an answer in `reply` (class docstring)."""
         read = getattr(self.reward, "extract_answer", None)
         if callable(read):
-            found = read(reply)
+            # With the row's choices where the extractor takes them, as `score` reads the reply with its metadata
+            # (the visual reward: a reply naming no choice has no answer, not its last word as one).
+            found = answer_reader(read)(reply, self.metadata)
             # MathReward reads `\boxed{\boxed{}}` as the answer `\boxed{}`: nothing but an empty box answers nothing.
             return found is not None and extract_action(str(found)) is not None
         return bool(trim_action(reply))
