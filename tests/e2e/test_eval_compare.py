@@ -126,6 +126,14 @@ def _pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def _majority_grade(copies: list[dict]) -> float:
+    """An answer's grade from its graded copies (failed ones give none): 1 when most are right, 0 when most are
+    wrong, 0.5 on an even split, 0 when none is graded."""
+    right = sum(r["correct"] > 0 for r in copies if not r.get("failed"))
+    wrong = sum(r["correct"] <= 0 for r in copies if not r.get("failed"))
+    return 0.5 if right == wrong and right else float(right > wrong)
+
+
 def _recompute(rows: list[dict], ks: list[int]) -> dict[str, float]:
     """The metrics of sample records, written out independently of roll_core.eval_metrics."""
     by_problem: dict[int, list[dict]] = defaultdict(list)
@@ -151,7 +159,7 @@ def _recompute(rows: list[dict], ks: list[int]) -> dict[str, float]:
         if votes:  # answers tied at the most votes: the fraction of them that are right
             top = max(votes.values())
             tied = [a for a in votes if votes[a] == top]
-            hits += sum(next(r for r in s if r["extracted"] == a)["correct"] > 0 for a in tied) / len(tied)
+            hits += sum(_majority_grade([r for r in s if r["extracted"] == a]) for a in tied) / len(tied)
     out["maj"] = hits / len(by_problem)
     return out
 
