@@ -73,6 +73,15 @@ def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
     return {"fused": True} if fusable else {}  # FSDP2's DTensor parameters too (tested on CPU over gloo)
 
 
+def optimizer_state_mb(optimizer: torch.optim.Optimizer) -> float:
+    """MiB of the tensors in `optimizer`'s state on this rank (AdamW's moments and steps; a shard of them under
+    FSDP2)."""
+    return (
+        sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t))
+        / 2**20
+    )
+
+
 def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Write the optimizer's state to `folder` (collective on sharded engines: every rank writes its shard)."""
     import torch.distributed.checkpoint as dcp

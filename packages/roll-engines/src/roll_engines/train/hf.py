@@ -52,6 +52,7 @@ from roll_core.interfaces.inference import STRUCTURED_KEY
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines._onednn_linear import use_onednn_linears
 from roll_engines.train import _vision as V  # vision-language models: pictures travel with their rows
+from roll_engines.train._agree import agreed
 from roll_engines.train._dropout import disable_dropout
 from roll_engines.train._hf_attention import HFAttentionCredit
 from roll_engines.train._hf_checkpoint import HFWeightsAndCheckpoints, check_loaded
@@ -79,7 +80,7 @@ from roll_engines.train._micro import (
     rank_counts,
 )
 from roll_engines.train._micro import padding_row as _padding_row
-from roll_engines.train._optim import adamw_kernel, lr_lambda, param_groups
+from roll_engines.train._optim import adamw_kernel, lr_lambda, optimizer_state_mb, param_groups
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
 from roll_engines.train._routing import RoutingReplay
 from roll_hw.cpu import fp32_linear_library
@@ -412,10 +413,15 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         return out
 
     def _checked(self, batch: Mapping[str, Tensor]) -> dict[str, Any]:
-        """The batch's tensors (_vision.checked_batch), its token ids checked once against the vocabulary."""
-        tensors = V.checked_batch(batch, self.vision, self.path)
-        check_batch_ids(tensors, base_model(self.model), f"{self.role} engine {self.name!r}")
-        return tensors
+        """The batch's tensors (_vision.checked_batch), its token ids checked once against the vocabulary; a refusal
+        on any data-parallel rank is raised on every rank before any collective (_agree.agreed)."""
+
+        def check() -> dict[str, Any]:
+            tensors = V.checked_batch(batch, self.vision, self.path)
+            check_batch_ids(tensors, base_model(self.model), f"{self.role} engine {self.name!r}")
+            return tensors
+
+        return agreed(check, self.dp_size, self.device)
 
     def _prompt_order(self, tensors: Mapping[str, Any]) -> Tensor | None:
         """Row permutation (B,) grouping rows that share a prompt (ids and pictures), when packing; None keeps the
@@ -498,15 +504,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         if self.routing is not None:  # (position, MoE layer) pairs whose replayed experts differ from the trainer's own
             out["routing_replay_changed_fraction"] = self.routing.changed_fraction()
         # AdamW's state on this rank (fp32 moments of every trained parameter; LoRA shrinks it to the adapters).
-        out["optimizer_state_mb"] = (
-            sum(
-                t.numel() * t.element_size()
-                for st in self.optimizer.state.values()
-                for t in st.values()
-                if isinstance(t, Tensor)
-            )
-            / 2**20
-        )
+        out["optimizer_state_mb"] = optimizer_state_mb(self.optimizer)
         return out
 
     def _accumulate(

@@ -50,6 +50,7 @@ from torch import Tensor
 from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.structured import refuse_constrained_batch
+from roll_engines.train._agree import agreed
 from roll_engines.train._logits import check_temperature, check_token_ids, empty_outputs, gather_ids_of
 from roll_engines.train._micro import (
     MetricMeans,
@@ -273,14 +274,24 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         """The batch's tensors (a constrained batch refused), its token ids checked once, on the host, before any
         forward: `responses` and `input_ids` in [0, V) for the config's vocab_size V (_logits.check_token_ids). The
         vocabulary is padded to a multiple of TP: an id in the padding rows is no token (log-prob -inf, a zero
-        embedding), and one past them was read as 0 by the cross entropy and embedded as zeros under TP."""
-        refuse_constrained_batch(batch, "megatron")
-        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
-        vocab, who = int(self.hf_config.vocab_size), f"{self.role} engine {self.name!r}"
-        what = f"the model's vocabulary (vocab_size={vocab}; Megatron pads it to a multiple of TP)"
-        check_token_ids(tensors["responses"], vocab, who, "response", what)
-        check_token_ids(tensors["input_ids"], vocab, who, "input_ids", what)
-        return tensors
+        embedding), and one past them was read as 0 by the cross entropy and embedded as zeros under TP. With
+        routing replay its `routed_experts` are checked too. A refusal on any data-parallel rank is raised on every
+        rank before any collective (_agree.agreed: a rank alone raising left the others waiting in theirs)."""
+        from megatron.core import parallel_state as ps
+
+        def check() -> dict[str, Tensor]:
+            refuse_constrained_batch(batch, "megatron")
+            tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+            vocab, who = int(self.hf_config.vocab_size), f"{self.role} engine {self.name!r}"
+            what = f"the model's vocabulary (vocab_size={vocab}; Megatron pads it to a multiple of TP)"
+            check_token_ids(tensors["responses"], vocab, who, "response", what)
+            check_token_ids(tensors["input_ids"], vocab, who, "input_ids", what)
+            if self.routing is not None:
+                self.routing.check(tensors)
+            return tensors
+
+        size = int(self.dp_size)
+        return agreed(check, size, self.device, ps.get_data_parallel_group() if size > 1 else None)
 
     # ---- forward ------------------------------------------------------------------------------------------
     def _logprobs(
@@ -379,8 +390,6 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         if base and not self.lora:
             raise ValueError("base=True scores the model without its LoRA adapters: this engine has none")
         tensors = self._tensors(batch)
-        if self.routing is not None:
-            self.routing.check(tensors)
         n, r = tensors["input_ids"].shape[0], tensors["responses"].shape[1]
         micros, _ = self._balanced(micro_batches(tensors, self.logprob_chunk_size), tensors)
 

@@ -1,0 +1,175 @@
+"""A batch refused on one data-parallel rank is refused on every rank (roll_engines.train._agree): each rank checks
+its own rows before any forward, and a rank that raised alone left the others waiting in their first collective
+until the process group timed out (NCCL: 30 minutes), a hang instead of an error. Two gloo ranks on CPU, the tiny
+model: rank 1's batch holds a response id past the vocabulary, rank 0's is fine; both ranks raise the same
+ValueError naming rank 1 (scoring and training), and the engines then score a good batch (the ranks' collectives
+still pair up). On the old code rank 0 went on alone: fsdp2's scoring and both engines' training waited in their
+first collective (here until the test's short group timeout or deadline); Megatron's scoring returned log-probs on
+rank 0 while rank 1 raised."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from roll_engines.train._agree import agreed, refusal
+
+#: The ranks' process-group timeout: a rank left waiting in a collective fails after this (not 30 minutes).
+GROUP_TIMEOUT_S = 60
+#: How long the test waits for both ranks.
+DEADLINE_S = 240
+
+
+def test_one_process_runs_the_check_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """size 1: the check's own result or exception, and no collective (single-process cost nil)."""
+    import torch.distributed as dist
+
+    def no_collective(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a collective in a single process")
+
+    monkeypatch.setattr(dist, "all_reduce", no_collective)
+    monkeypatch.setattr(dist, "all_gather", no_collective)
+    assert agreed(lambda: {"x": 1}, 1) == {"x": 1}
+    err = KeyError("responses")
+
+    def fails() -> None:
+        raise err
+
+    with pytest.raises(KeyError) as got:
+        agreed(fails, 1)
+    assert got.value is err
+
+
+def test_the_refusal_names_every_failing_rank() -> None:
+    one = refusal({1: ("ValueError", "bad id 7")}, 2)
+    assert type(one) is ValueError
+    assert str(one).startswith("data-parallel rank 1 of 2 refused its batch")
+    assert str(one).endswith("rank 1: ValueError: bad id 7")
+    both = refusal({0: ("TypeError", "a"), 3: ("TypeError", "b")}, 4)
+    assert type(both) is TypeError and "ranks 0, 3 of 4" in str(both) and "rank 0: TypeError: a; rank 3" in str(both)
+    mixed = refusal({0: ("TypeError", "a"), 1: ("RuntimeError", "b")}, 2)
+    assert type(mixed) is ValueError
+    custom = refusal({1: ("SomeLibraryError", "c")}, 2)  # not a builtin: ValueError
+    assert type(custom) is ValueError and "rank 1: SomeLibraryError: c" in str(custom)
+
+
+def _attempt(results: dict, name: str, call, out: str) -> None:
+    """Record `call()`'s outcome under `name` (None, or its exception's type and message), saved at once: the
+    test reads what a rank got even when the other one hangs."""
+    try:
+        got = call()
+        results[name] = {"ok": {k: tuple(v.shape) for k, v in got.items()} if isinstance(got, dict) else None}
+    except Exception as e:
+        results[name] = {"error": (type(e).__name__, str(e))}
+    torch.save(results, out)
+
+
+def _rank(rank: int, engine: str, port: int, path: str, out: str) -> None:
+    """One of two data-parallel gloo ranks (process-group timeout GROUP_TIMEOUT_S): log-probs of a batch whose
+    response id is bad on rank 1 only, a training step on it, one whose ids are bad on both ranks, then log-probs of a
+    good batch."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    import torch.distributed as dist
+
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.testing.batches import toy_batch
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))  # the engines join it
+    settings = {"dist_backend": "gloo", "num_threads": 1, "lr": 1e-3, "micro_batch_size": 2}
+    if engine == "fsdp2":
+        from roll_engines.train.fsdp2 import FSDP2TrainEngine
+
+        eng = FSDP2TrainEngine(path, **settings)
+    else:
+        from roll_engines.train.megatron import MegatronTrainEngine
+
+        eng = MegatronTrainEngine(path, use_distributed_optimizer=False, **settings)
+    vocab = int(eng.hf_config.vocab_size) if engine == "megatron" else int(eng.model.config.vocab_size)
+    mine = {k: v[rank::2].clone() for k, v in toy_batch(path).items()}
+    bad_response = {**mine, "responses": mine["responses"].clone()}
+    bad_response["responses"][0, 0] = vocab + 5  # `responses` only: its input ids stay valid
+    bad_prompt = {**mine, "input_ids": mine["input_ids"].clone()}
+    bad_prompt["input_ids"][0, 0] = -1
+    results: dict = {}
+    where = f"{out}.{rank}"
+    one_bad = bad_response if rank == 1 else mine
+    _attempt(results, "logprobs", lambda: eng.compute_logprobs(one_bad), where)
+    _attempt(results, "train", lambda: eng.train_step(one_bad, PolicyObjective()), where)
+    both_bad = bad_prompt if rank == 0 else bad_response
+    _attempt(results, "both", lambda: eng.train_step(both_bad, PolicyObjective()), where)
+    _attempt(results, "good", lambda: eng.compute_logprobs(mine), where)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_two_ranks(engine: str, path: str, out: Path, preload: list[str]) -> list[dict]:
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    from roll_core.cluster.ports import free_port
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    ranks = mp.start_processes(
+        _rank, args=(engine, free_port(), path, str(out)), nprocs=2, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    failure = None
+    try:
+        while not ranks.join(timeout=1):  # raises what a rank raised outside `_attempt` (a collective timed out)
+            if time.monotonic() > deadline:
+                failure = f"did not finish in {DEADLINE_S} s"
+                break
+    except Exception as e:
+        failure = f"failed: {e}"
+    for p in ranks.processes:
+        if p.is_alive():
+            p.kill()
+    got = [torch.load(f"{out}.{r}", weights_only=False) if Path(f"{out}.{r}").exists() else {} for r in (0, 1)]
+    assert failure is None, f"the two {engine} ranks {failure}\nthey recorded {got}"
+    return got
+
+
+def _check(got: list[dict], vocab_hint: str) -> None:
+    for rank, results in enumerate(got):
+        for call in ("logprobs", "train"):
+            kind, message = results[call].get("error", (None, f"rank {rank} raised nothing"))
+            # Both ranks: the same ValueError, naming rank 1 (and only it) with its own message.
+            assert kind == "ValueError", (rank, call, results)
+            assert message.startswith("data-parallel rank 1 of 2 refused its batch"), (rank, call, message)
+            assert "rank 1: ValueError:" in message and f"response token id {vocab_hint}" in message, (rank, message)
+            assert "rank 0:" not in message, (rank, call, message)
+        kind, message = results["both"].get("error", (None, f"rank {rank} raised nothing"))
+        assert kind == "ValueError" and "data-parallel ranks 0, 1 of 2" in message, (rank, message)
+        assert "rank 0: ValueError:" in message and "input_ids token id -1" in message, (rank, message)
+        assert "rank 1: ValueError:" in message and f"response token id {vocab_hint}" in message, (rank, message)
+        # The group is still paired up: a good batch scores on both ranks.
+        assert results["good"].get("ok", {}).get("logprobs") == (3, 7), (rank, results["good"])
+
+
+def test_two_fsdp2_ranks_both_raise_a_refusal_of_rank_1(tiny: str, tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    got = _run_two_ranks("fsdp2", tiny, tmp_path / "ranks", ["torch", "transformers"])
+    _check(got, str(AutoConfig.from_pretrained(tiny).vocab_size + 5))
+
+
+def test_two_megatron_ranks_both_raise_a_refusal_of_rank_1(tiny: str, tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]'")
+    from transformers import AutoConfig
+
+    preload = [
+        "torch",
+        "transformers",
+        "megatron.core",
+        "roll_engines.train.megatron",
+        "roll_core.testing.train_engine",
+    ]
+    got = _run_two_ranks("megatron", tiny, tmp_path / "ranks", preload)
+    _check(got, str(AutoConfig.from_pretrained(tiny).vocab_size + 5))
