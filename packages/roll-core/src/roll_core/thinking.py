@@ -21,7 +21,7 @@ tokenizer without a usable template falls back to the ids alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 THINK_OPEN = "<think>"
@@ -75,3 +75,30 @@ def reply_text(text: str, opened: bool) -> str:
     if opened and not text.lstrip().startswith(THINK_OPEN):
         return THINK_OPEN + text
     return text
+
+
+def reasoning_span(text: str, call_open: str, call_end: Callable[[str, int], int]) -> tuple[int, int]:
+    """(opening, close) of a reply's reasoning block: the index of its `<think>` (-1 without one) and of the
+    `</think>` that ends it (-1 when none does: cut off), scanning past tool-call blocks: a block starts at
+    `call_open`, and `call_end(text, at)` is the index just past the block starting at `at` (-1 when it does not
+    end: only its opening marker is skipped). A think marker inside a call's argument is the argument's, not the
+    reply's reasoning (the tool-call parsers of roll_core.agentic._tool_calls and roll_envs' tool env)."""
+    pos, opening = 0, -1
+    while True:
+        found = {
+            "close": text.find(THINK_CLOSE, pos),
+            "call": text.find(call_open, pos),
+            "open": text.find(THINK_OPEN, pos) if opening < 0 else -1,
+        }
+        found = {k: i for k, i in found.items() if i >= 0}
+        if not found:
+            return opening, -1
+        kind = min(found, key=found.__getitem__)
+        at = found[kind]
+        if kind == "close":
+            return opening, at
+        if kind == "open":
+            opening, pos = at, at + len(THINK_OPEN)
+            continue
+        end = call_end(text, at)
+        pos = end if end >= 0 else at + len(call_open)

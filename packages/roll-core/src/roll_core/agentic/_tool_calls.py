@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from roll_core.agentic._agent_turns import ParsedReply
-from roll_core.thinking import THINK_CLOSE, THINK_OPEN
+from roll_core.thinking import THINK_CLOSE, reasoning_span
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _JSON = json.JSONDecoder()
@@ -74,26 +74,7 @@ def _reasoning(text: str) -> tuple[int, int]:
     """[start, end) of the reply's reasoning block ((0, 0) without one): `<think>` to the end of its `</think>`, to
     the text's end when the block is not closed (cut off), from the start for a `</think>` with no opening one.
     Markers inside a block's JSON value (one followed by `</tool_call>`, or ending the text) are skipped."""
-    pos, opening, close = 0, -1, -1
-    while True:
-        found = {
-            "close": text.find(THINK_CLOSE, pos),
-            "call": text.find(_OPEN, pos),
-            "open": text.find(THINK_OPEN, pos) if opening < 0 else -1,
-        }
-        found = {k: i for k, i in found.items() if i >= 0}
-        if not found:
-            break
-        kind = min(found, key=found.__getitem__)
-        at = found[kind]
-        if kind == "close":
-            close = at
-            break
-        if kind == "open":
-            opening, pos = at, at + len(THINK_OPEN)
-            continue
-        _, end, _ = _value(text, at + len(_OPEN))
-        pos = end if end >= 0 else at + len(_OPEN)
+    opening, close = reasoning_span(text, _OPEN, lambda t, at: _value(t, at + len(_OPEN))[1])
     if close < 0:
         return (opening, len(text)) if opening >= 0 else (0, 0)
     if opening < 0:

@@ -26,8 +26,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from roll_core.thinking import THINK_CLOSE, reasoning_span
+
 OPEN, CLOSE = "<tool>", "</tool>"
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 _MARKERS = re.compile(r"<tool>|</tool>")
 
 __all__ = ["CLOSE", "OPEN", "Calls", "find_calls"]
@@ -64,25 +65,9 @@ def _block_end(text: str, start: int, balanced: bool = False) -> int:
 def _answer(text: str) -> str | None:
     """The text after the reasoning (module docstring). Markers inside a balanced `<tool>` block are the argument's;
     an unbalanced `<tool>` (one the reasoning mentions) hides nothing."""
-    pos, opening = 0, -1
-    while True:
-        found = {
-            "close": text.find(_THINK_CLOSE, pos),
-            "call": text.find(OPEN, pos),
-            "think": text.find(_THINK_OPEN, pos) if opening < 0 else -1,
-        }
-        found = {k: i for k, i in found.items() if i >= 0}
-        if not found:
-            break
-        kind = min(found, key=found.__getitem__)
-        at = found[kind]
-        if kind == "close":
-            return text[at + len(_THINK_CLOSE) :]
-        if kind == "think":
-            opening, pos = at, at + len(_THINK_OPEN)
-            continue
-        end = _block_end(text, at, balanced=True)
-        pos = end if end >= 0 else at + len(OPEN)
+    opening, close = reasoning_span(text, OPEN, lambda t, at: _block_end(t, at, balanced=True))
+    if close >= 0:
+        return text[close + len(THINK_CLOSE) :]
     return None if opening >= 0 else text
 
 
