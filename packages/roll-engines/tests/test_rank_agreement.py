@@ -5,7 +5,12 @@ model: rank 1's batch holds a response id past the vocabulary, rank 0's is fine;
 ValueError naming rank 1 (scoring and training), and the engines then score a good batch (the ranks' collectives
 still pair up). On the old code rank 0 went on alone: fsdp2's scoring and both engines' training waited in their
 first collective (here until the test's short group timeout or deadline); Megatron's scoring returned log-probs on
-rank 0 while rank 1 raised."""
+rank 0 while rank 1 raised.
+
+The same for what a batch carries beyond its token ids: a distillation loss's gather ids (`gather_ids_key`) out of
+the vocabulary on rank 1 (both engines: checked per micro-batch, mid-forward, on the old code), and on fsdp2 (a
+tiny MoE with routing replay) replayed expert ids out of range on rank 1, in scoring and attention credit (checked
+per micro-batch, after the first collectives, on the old code)."""
 
 from __future__ import annotations
 
@@ -71,27 +76,33 @@ def _attempt(results: dict, name: str, call, out: str) -> None:
 
 def _rank(rank: int, engine: str, port: int, path: str, out: str) -> None:
     """One of two data-parallel gloo ranks (process-group timeout GROUP_TIMEOUT_S): log-probs of a batch whose
-    response id is bad on rank 1 only, a training step on it, one whose ids are bad on both ranks, then log-probs of a
-    good batch."""
+    response id is bad on rank 1 only, a training step on it, one whose ids are bad on both ranks, a distillation
+    step whose gather ids are bad on rank 1 only (fsdp2: log-probs and attention credit of a batch whose replayed
+    routing is bad on rank 1 only), then log-probs of a good batch."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     import torch.distributed as dist
 
     from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.routing import ROUTED_EXPERTS, UNROUTED
     from roll_core.testing.batches import toy_batch
+    from roll_core.testing.train_engine import GatherLoss, gather_batch
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))  # the engines join it
     settings = {"dist_backend": "gloo", "num_threads": 1, "lr": 1e-3, "micro_batch_size": 2}
     if engine == "fsdp2":
         from roll_engines.train.fsdp2 import FSDP2TrainEngine
 
-        eng = FSDP2TrainEngine(path, **settings)
+        eng = FSDP2TrainEngine(path, routing_replay=True, **settings)  # a tiny MoE
     else:
         from roll_engines.train.megatron import MegatronTrainEngine
 
         eng = MegatronTrainEngine(path, use_distributed_optimizer=False, **settings)
     vocab = int(eng.hf_config.vocab_size) if engine == "megatron" else int(eng.model.config.vocab_size)
     mine = {k: v[rank::2].clone() for k, v in toy_batch(path).items()}
+    if eng.routing is not None:  # every position UNROUTED: valid, the routers choose
+        shape = (*mine["input_ids"].shape, len(eng.routing.routers), eng.routing.top_k)
+        mine[ROUTED_EXPERTS] = torch.full(shape, UNROUTED, dtype=torch.int16)
     bad_response = {**mine, "responses": mine["responses"].clone()}
     bad_response["responses"][0, 0] = vocab + 5  # `responses` only: its input ids stay valid
     bad_prompt = {**mine, "input_ids": mine["input_ids"].clone()}
@@ -103,6 +114,16 @@ def _rank(rank: int, engine: str, port: int, path: str, out: str) -> None:
     _attempt(results, "train", lambda: eng.train_step(one_bad, PolicyObjective()), where)
     both_bad = bad_prompt if rank == 0 else bad_response
     _attempt(results, "both", lambda: eng.train_step(both_bad, PolicyObjective()), where)
+    distill = gather_batch(mine)
+    if rank == 1:
+        distill["teacher_ids"][0, 0, 1] = vocab + 5
+    _attempt(results, "gather", lambda: eng.train_step(distill, GatherLoss()), where)
+    if eng.routing is not None:
+        routed = {**mine, ROUTED_EXPERTS: mine[ROUTED_EXPERTS].clone()}
+        if rank == 1:
+            routed[ROUTED_EXPERTS][0, -1, 0, 0] = eng.routing.num_experts
+        _attempt(results, "routing", lambda: eng.compute_logprobs(routed), where)
+        _attempt(results, "attention", lambda: eng.compute_attention_credit(routed), where)
     _attempt(results, "good", lambda: eng.compute_logprobs(mine), where)
     dist.barrier()
     dist.destroy_process_group()
@@ -136,7 +157,7 @@ def _run_two_ranks(engine: str, path: str, out: Path, preload: list[str]) -> lis
     return got
 
 
-def _check(got: list[dict], vocab_hint: str) -> None:
+def _check(got: list[dict], vocab_hint: str, routing: bool = False) -> None:
     for rank, results in enumerate(got):
         for call in ("logprobs", "train"):
             kind, message = results[call].get("error", (None, f"rank {rank} raised nothing"))
@@ -149,6 +170,16 @@ def _check(got: list[dict], vocab_hint: str) -> None:
         assert kind == "ValueError" and "data-parallel ranks 0, 1 of 2" in message, (rank, message)
         assert "rank 0: ValueError:" in message and "input_ids token id -1" in message, (rank, message)
         assert "rank 1: ValueError:" in message and f"response token id {vocab_hint}" in message, (rank, message)
+        # A loss's gather ids past the vocabulary on rank 1: refused on both ranks before any forward.
+        kind, message = results["gather"].get("error", (None, f"rank {rank} raised nothing"))
+        assert kind == "ValueError" and message.startswith("data-parallel rank 1 of 2 refused"), (rank, message)
+        assert f"loss_fn.gather_ids_key='teacher_ids' token id {vocab_hint} (index (0, 0, 1))" in message, message
+        assert "rank 0:" not in message, (rank, message)
+        for call in ("routing", "attention") if routing else ():  # replayed expert ids past the experts on rank 1
+            kind, message = results[call].get("error", (None, f"rank {rank} raised nothing"))
+            assert kind == "ValueError" and message.startswith("data-parallel rank 1 of 2"), (rank, call, message)
+            assert "rank 1: ValueError: routed_experts holds expert ids outside [-1, 4)" in message, (rank, message)
+            assert "rank 0:" not in message, (rank, call, message)
         # The group is still paired up: a good batch scores on both ranks.
         assert results["good"].get("ok", {}).get("logprobs") == (3, 7), (rank, results["good"])
 
@@ -156,8 +187,11 @@ def _check(got: list[dict], vocab_hint: str) -> None:
 def test_two_fsdp2_ranks_both_raise_a_refusal_of_rank_1(tiny: str, tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    got = _run_two_ranks("fsdp2", tiny, tmp_path / "ranks", ["torch", "transformers"])
-    _check(got, str(AutoConfig.from_pretrained(tiny).vocab_size + 5))
+    from roll_core.testing.models import tiny_model
+
+    moe = tiny_model("qwen3_moe", tmp_path / "moe")  # 4 experts, top-2: routing replay on
+    got = _run_two_ranks("fsdp2", moe, tmp_path / "ranks", ["torch", "transformers"])
+    _check(got, str(AutoConfig.from_pretrained(moe).vocab_size + 5), routing=True)
 
 
 def test_two_megatron_ranks_both_raise_a_refusal_of_rank_1(tiny: str, tmp_path: Path) -> None:

@@ -356,14 +356,17 @@ def test_config_refusals():
 
 def test_an_empty_micro_batch_is_prepared(tiny):
     """A rank's empty share of a short batch: `routing.max()` of no ids raised torch's bare "max(): Expected
-    reduction dim to be specified for input.numel() == 0"; it sets an empty routing (the Megatron replay's check)."""
+    reduction dim to be specified for input.numel() == 0"; it sets an empty routing, and the whole-batch check (the
+    Megatron replay's, run before any forward) passes an empty batch and refuses a bad one."""
     from transformers import AutoModelForCausalLM
 
     replay = RoutingReplay(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32))
     layers, k = len(replay.routers), replay.top_k
     ids = torch.zeros((0, 5), dtype=torch.long)
-    replay.prepare({"input_ids": ids, ROUTED_EXPERTS: torch.zeros((0, 5, layers, k), dtype=torch.int16)}, None)
+    empty = {"input_ids": ids, ROUTED_EXPERTS: torch.zeros((0, 5, layers, k), dtype=torch.int16)}
+    replay.check(empty)
+    replay.prepare(empty, None)
     assert replay.current is not None and tuple(replay.current.shape) == (0, layers, k)
     bad = torch.full((1, 5, layers, k), replay.num_experts, dtype=torch.int16)
     with pytest.raises(ValueError, match="expert ids outside"):  # a non-empty one is still checked
-        replay.prepare({"input_ids": torch.zeros((1, 5), dtype=torch.long), ROUTED_EXPERTS: bad}, None)
+        replay.check({"input_ids": torch.zeros((1, 5), dtype=torch.long), ROUTED_EXPERTS: bad})

@@ -4,7 +4,8 @@
 FAI) and `attention_maps` (the maps themselves, for checks), from a padded no-grad forward per chunk of rows whose
 attention probabilities are captured layer by layer. Text policies only (not the critic, not vision-language
 models). It uses the engine's `model`, `role`, `vision`, `device`, `compute_dtype`, `autocast`, `routing`,
-`logprob_chunk_size`, `forward_tokens` and `_all_reduce_max`.
+`logprob_chunk_size`, `forward_tokens`, `_checked` (the batch's checks, agreed over data-parallel ranks before any
+forward) and `_all_reduce_max`.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class HFAttentionCredit:
             raise ValueError("attention credit reads text models; this one is a vision-language model")
         model = base_model(self.model)
         picked = A.resolve_layers(list(layers or []), int(model.config.num_hidden_layers))
-        tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        tensors = self._checked(batch)  # ids and replayed routing, refused on every rank before any forward
         n = tensors["input_ids"].shape[0]
         chunks = [
             {k: v[s : s + self.logprob_chunk_size] for k, v in tensors.items()}

@@ -13,6 +13,9 @@ is for scoring passes only (no-grad callers).
 - `gathered_logprobs` (.., K) fp32: log softmax at the ids of the micro-batch's `loss_fn.gather_ids_key` tensor
   (b, R, K) long, differentiable. An id outside [0, V) is a ValueError (`check_gather_ids`), never a silent wrong
   value: the packed path's advanced indexing would read a negative id as counted from the end of the vocabulary.
+  The engines check the whole batch's gather ids on the host before any forward (`check_batch_gather_ids`), so
+  a refusal comes before the first collective, on every data-parallel rank (_agree.agreed); the per-micro-batch
+  check stays for direct callers.
 
 A batch's token ids are checked once, on the host, before any forward (`check_batch_ids`; the megatron engine calls
 `check_token_ids` with its config's vocabulary): every id of `responses` must be in [0, V) for the model's logits
@@ -78,9 +81,9 @@ def _rows(module: Any) -> int | None:
 
 
 def check_token_ids(ids: Tensor, width: int | None, who: str, which: str, what: str) -> None:
-    """Every id of the host tensor `ids` (B, L) must be in [0, `width`) (None: nothing to check against); else a
-    ValueError naming the engine (`who`), the tensor (`which`), the first offending id with its row and position, and
-    the width (`what` says what it is the width of)."""
+    """Every id of the host tensor `ids` (B, L) (or (B, R, K) gather ids) must be in [0, `width`) (None: nothing to
+    check against); else a ValueError naming the engine (`who`), the tensor (`which`), the first offending id with its
+    row and position (its index, for gather ids), and the width (`what` says what it is the width of)."""
     if width is None or not ids.numel():
         return
     bad = (ids < 0) | (ids >= width)
@@ -103,12 +106,26 @@ def check_response_ids(responses: Tensor, model: torch.nn.Module, who: str) -> N
     check_token_ids(responses, _rows(model.get_input_embeddings()), who, "response", "the model's input embedding")
 
 
-def check_batch_ids(tensors: Mapping[str, Tensor], model: torch.nn.Module, who: str) -> None:
+def check_batch_ids(tensors: Mapping[str, Tensor], model: torch.nn.Module, who: str, loss_fn: Any = None) -> None:
     """`check_response_ids` on `tensors["responses"]`, then every id of `tensors["input_ids"]` (B, P+R), the
-    prompts and their padding included, against the rows of `model`'s input embedding."""
+    prompts and their padding included, against the rows of `model`'s input embedding; with a `loss_fn` (None:
+    scoring, no gather ids) its gather ids too (`check_batch_gather_ids`, against the logits' width)."""
     check_response_ids(tensors["responses"], model, who)
     width = _rows(model.get_input_embeddings())
     check_token_ids(tensors["input_ids"], width, who, "input_ids", "the model's input embedding")
+    if loss_fn is not None:
+        check_batch_gather_ids(tensors, loss_fn, _rows(model.get_output_embeddings()), who, "the model's logits")
+
+
+def check_batch_gather_ids(tensors: Mapping[str, Tensor], loss_fn: Any, width: int | None, who: str, what: str) -> None:
+    """When `loss_fn` declares a `gather_ids_key` that the batch holds: that tensor must be (B, R, K) integer ids
+    matching `responses` (`gather_ids_of`), each in [0, `width`) (None: no width to check against; `what` says
+    what it is the width of), else a ValueError naming the key, the first offending id and its index. Run on the
+    whole batch, on the host, before any forward: `check_gather_ids` refused the same ids per micro-batch,
+    mid-forward, on one data-parallel rank while the others waited in a collective."""
+    ids = gather_ids_of(loss_fn, tensors)
+    if ids is not None:
+        check_token_ids(ids, width, who, f"loss_fn.gather_ids_key={loss_fn.gather_ids_key!r}", what)
 
 
 def check_temperature(temperature: float) -> None:

@@ -19,10 +19,13 @@ Aligning Training and Inference Routers") do:
 - a position whose replayed ids hold -1 (UNROUTED: padding, the last generated token, no record) keeps the
   router's own choice.
 
-Contract: `prepare(micro, packed)` runs before every forward of the engine and sets the routing that forward
-uses (packed micro-batches are mapped through `PackedBatch.origin`); a batch without `routed_experts`, with
-other shapes or with expert ids out of range is a ValueError. `replayed` / `changed` count the positions
-replayed and those whose replayed experts differ from the trainer's own choice (summed over layers).
+Contract: `check(batch)` (`check_routing`) refuses a batch without `routed_experts`, with other shapes or with
+expert ids out of range (a ValueError); the engines call it on the whole batch, on the host, before any forward
+(inside _agree.agreed, so a refusal on one data-parallel rank is raised on every rank instead of leaving the others
+in their first collective). `prepare(micro, packed)` runs before every forward of the engine and sets the routing
+that forward uses from a micro-batch of a checked batch, or a padding row made from one (its rows are the batch's:
+nothing left to check; packed micro-batches are mapped through `PackedBatch.origin`). `replayed` / `changed` count
+the positions replayed and those whose replayed experts differ from the trainer's own choice (summed over layers).
 """
 
 from __future__ import annotations
@@ -65,6 +68,27 @@ def gate_weights(module: torch.nn.Module, logits: Tensor, idx: Tensor) -> Tensor
     return weights
 
 
+def check_routing(batch: Mapping[str, Any], num_layers: int, top_k: int, num_experts: int) -> None:
+    """ValueError unless `batch` carries `routed_experts` of shape (B, P+R, num_layers, top_k) (B, P+R: its
+    `input_ids`') with ids in [-1, num_experts). Host work only: an empty batch (a rank's share of a short one)
+    passes (no max of no ids)."""
+    routing = batch.get(ROUTED_EXPERTS)
+    if routing is None:
+        raise ValueError(
+            f"train_engine.routing_replay=true but the batch has no {ROUTED_EXPERTS!r}: the rollout engine must "
+            "record them (infer_engine.return_routing=true) and the batch carry them (the synchronous RLVR "
+            "pipeline does; agentic trajectories do not yet)"
+        )
+    want = (*batch["input_ids"].shape, num_layers, top_k)
+    if tuple(routing.shape) != want:
+        raise ValueError(
+            f"{ROUTED_EXPERTS} has shape {tuple(routing.shape)}; this batch and model need {want} "
+            "(rows, P+R, MoE layers, top_k)"
+        )
+    if routing.numel() and (int(routing.max()) >= num_experts or int(routing.min()) < UNROUTED):
+        raise ValueError(f"{ROUTED_EXPERTS} holds expert ids outside [-1, {num_experts})")
+
+
 class RoutingReplay:
     """Forward hooks on every router of a model that replay the current micro-batch's `routed_experts`."""
 
@@ -93,26 +117,14 @@ class RoutingReplay:
             return None
         return cls(model)
 
+    def check(self, batch: Mapping[str, Any]) -> None:
+        """A whole batch's `routed_experts` fits this model (`check_routing`), before any micro-batch runs."""
+        check_routing(batch, len(self.routers), self.top_k, self.num_experts)
+
     def prepare(self, micro: Mapping[str, Any], packed: PackedBatch | None) -> None:
-        """Set the routing of the next forward: `micro`'s `routed_experts` in the padded layout (packed None)
-        or mapped to `packed`'s token order."""
-        routing = micro.get(ROUTED_EXPERTS)
-        if routing is None:
-            raise ValueError(
-                f"train_engine.routing_replay=true but the batch has no {ROUTED_EXPERTS!r}: the rollout engine must "
-                "record them (infer_engine.return_routing=true) and the batch carry them (the synchronous RLVR "
-                "pipeline does; agentic trajectories do not yet)"
-            )
-        ids = micro["input_ids"]
-        want = (*ids.shape, len(self.routers), self.top_k)
-        if tuple(routing.shape) != want:
-            raise ValueError(
-                f"{ROUTED_EXPERTS} has shape {tuple(routing.shape)}; this batch and model need {want} "
-                "(rows, P+R, MoE layers, top_k)"
-            )
-        # an empty micro-batch (a rank's share of a short batch) has no max: checked only when it has ids
-        if routing.numel() and (int(routing.max()) >= self.num_experts or int(routing.min()) < UNROUTED):
-            raise ValueError(f"{ROUTED_EXPERTS} holds expert ids outside [-1, {self.num_experts})")
+        """Set the routing of the next forward: `micro`'s `routed_experts` (a micro-batch of a batch `check`
+        passed) in the padded layout (packed None) or mapped to `packed`'s token order."""
+        routing = micro[ROUTED_EXPERTS]
         flat = routing.reshape(-1, len(self.routers), self.top_k).long()
         if packed is not None:
             origin = packed.origin.reshape(-1).cpu()

@@ -412,13 +412,16 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
             out = {k: v[torch.argsort(order)] for k, v in out.items()}
         return out
 
-    def _checked(self, batch: Mapping[str, Tensor]) -> dict[str, Any]:
-        """The batch's tensors (_vision.checked_batch), its token ids checked once against the vocabulary; a refusal
-        on any data-parallel rank is raised on every rank before any collective (_agree.agreed)."""
+    def _checked(self, batch: Mapping[str, Tensor], loss_fn: LossFn | None = None) -> dict[str, Any]:
+        """The batch's tensors (_vision.checked_batch), its token ids (and `loss_fn`'s gather ids) checked once
+        against the vocabulary, its replayed routing against the model (_routing.check_routing); a refusal on any
+        data-parallel rank is raised on every rank before any collective (_agree.agreed)."""
 
         def check() -> dict[str, Any]:
             tensors = V.checked_batch(batch, self.vision, self.path)
-            check_batch_ids(tensors, base_model(self.model), f"{self.role} engine {self.name!r}")
+            check_batch_ids(tensors, base_model(self.model), f"{self.role} engine {self.name!r}", loss_fn)
+            if self.routing is not None:
+                self.routing.check(tensors)
             return tensors
 
         return agreed(check, self.dp_size, self.device)
@@ -447,7 +450,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         if not self.trainable or self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine is not trainable")
         check_temperature(temperature)
-        tensors = self._checked(batch)
+        tensors = self._checked(batch, loss_fn)
         n = tensors["input_ids"].shape[0]
         means = MetricMeans()
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
@@ -548,7 +551,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         Under fp16's loss scaler they are unscaled (the backward runs on the scaled loss: they came back 2^16 x)."""
         check_temperature(temperature)
         self.model.zero_grad(set_to_none=True)
-        self._accumulate(self._checked(batch), loss_fn, temperature)
+        self._accumulate(self._checked(batch, loss_fn), loss_fn, temperature)
         self._loss_finite = True  # (no step follows: the next train_step starts clean)
         grads = self.gradients()
         if self.scaler is not None:

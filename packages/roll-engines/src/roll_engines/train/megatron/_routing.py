@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from roll_core.routing import ROUTED_EXPERTS, UNROUTED
+from roll_engines.train._routing import check_routing  # the hf engines' whole-batch check, shared
 
 
 def megatron_token_order(
@@ -82,26 +83,6 @@ def megatron_token_order(
             n = grid.shape[1] // size
             grid = grid[:, rank * n : (rank + 1) * n]
     return grid.transpose(0, 1).reshape(-1, layers, k)
-
-
-def check_routing(batch: Mapping[str, Any], num_layers: int, top_k: int, num_experts: int) -> None:
-    """ValueError unless `batch` carries `routed_experts` of shape (B, P+R, num_layers, top_k) with ids in
-    [-1, num_experts) (the hf engines' messages)."""
-    routing = batch.get(ROUTED_EXPERTS)
-    if routing is None:
-        raise ValueError(
-            f"train_engine.routing_replay=true but the batch has no {ROUTED_EXPERTS!r}: the rollout engine must "
-            "record them (infer_engine.return_routing=true) and the batch carry them (the synchronous RLVR "
-            "pipeline does; agentic trajectories do not yet)"
-        )
-    want = (*batch["input_ids"].shape, num_layers, top_k)
-    if tuple(routing.shape) != want:
-        raise ValueError(
-            f"{ROUTED_EXPERTS} has shape {tuple(routing.shape)}; this batch and model need {want} "
-            "(rows, P+R, MoE layers, top_k)"
-        )
-    if routing.numel() and (int(routing.max()) >= num_experts or int(routing.min()) < UNROUTED):
-        raise ValueError(f"{ROUTED_EXPERTS} holds expert ids outside [-1, {num_experts})")
 
 
 class _LayerReplay:

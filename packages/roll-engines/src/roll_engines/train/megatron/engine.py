@@ -51,7 +51,13 @@ from roll_core.interfaces import LossFn
 from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
 from roll_engines.structured import refuse_constrained_batch
 from roll_engines.train._agree import agreed
-from roll_engines.train._logits import check_temperature, check_token_ids, empty_outputs, gather_ids_of
+from roll_engines.train._logits import (
+    check_batch_gather_ids,
+    check_temperature,
+    check_token_ids,
+    empty_outputs,
+    gather_ids_of,
+)
 from roll_engines.train._micro import (
     MetricMeans,
     check_micro_batch_tokens,
@@ -270,13 +276,15 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         dist.all_reduce(t, group=ps.get_data_parallel_group())
         return t.cpu()
 
-    def _tensors(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
+    def _tensors(self, batch: Mapping[str, Any], loss_fn: LossFn | None = None) -> dict[str, Tensor]:
         """The batch's tensors (a constrained batch refused), its token ids checked once, on the host, before any
-        forward: `responses` and `input_ids` in [0, V) for the config's vocab_size V (_logits.check_token_ids). The
-        vocabulary is padded to a multiple of TP: an id in the padding rows is no token (log-prob -inf, a zero
-        embedding), and one past them was read as 0 by the cross entropy and embedded as zeros under TP. With
-        routing replay its `routed_experts` are checked too. A refusal on any data-parallel rank is raised on every
-        rank before any collective (_agree.agreed: a rank alone raising left the others waiting in theirs)."""
+        forward: `responses` and `input_ids` in [0, V) for the config's vocab_size V (_logits.check_token_ids), and
+        so are `loss_fn`'s gather ids (_logits.check_batch_gather_ids; _vocab.vocab_parallel_gather refused them
+        mid-forward). The vocabulary is padded to a multiple of TP: an id in the padding rows is no token (log-prob
+        -inf, a zero embedding), and one past them was read as 0 by the cross entropy and embedded as zeros under
+        TP. With routing replay its `routed_experts` are checked too (the whole batch: every mini- and micro-batch
+        is rows of it). A refusal on any data-parallel rank is raised on every rank before any collective
+        (_agree.agreed: a rank alone raising left the others waiting in theirs)."""
         from megatron.core import parallel_state as ps
 
         def check() -> dict[str, Tensor]:
@@ -286,6 +294,8 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
             what = f"the model's vocabulary (vocab_size={vocab}; Megatron pads it to a multiple of TP)"
             check_token_ids(tensors["responses"], vocab, who, "response", what)
             check_token_ids(tensors["input_ids"], vocab, who, "input_ids", what)
+            if loss_fn is not None:
+                check_batch_gather_ids(tensors, loss_fn, vocab, who, what)
             if self.routing is not None:
                 self.routing.check(tensors)
             return tensors
@@ -436,8 +446,6 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         docstring); returns ((metric, value, micro-batch units) triples, the mini-batch's units over data-parallel
         ranks). `force_all_reduce`:
         whole gradients on every rank even under the distributed optimizer (whose reduction is a reduce-scatter)."""
-        if self.routing is not None:
-            self.routing.check(mini)
         micros = micro_batches(mini, self.micro_batch_size, self.micro_batch_tokens, self.pack_sequences)
         total = mini_batch_units(loss_fn, micros, self._dp_reduce)  # 0: no trainable token on any rank
         micros, real = self._balanced(micros, mini)
@@ -482,7 +490,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         if not self.trainable or self.optimizer is None:
             raise RuntimeError(f"the {self.role} engine is not trainable")
         check_temperature(temperature)
-        tensors = self._tensors(batch)
+        tensors = self._tensors(batch, loss_fn)
         n = tensors["input_ids"].shape[0]
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         means = MetricMeans()
@@ -543,7 +551,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
             self.optimizer.zero_grad()
         # The distributed optimizer's reduction is a reduce-scatter: each rank's gradients are whole only in the
         # shard it updates. Here every rank needs them whole, so this backward's reduction is an all-reduce.
-        tensors = self._tensors(batch)
+        tensors = self._tensors(batch, loss_fn)
         self._backward(tensors, loss_fn, temperature, force_all_reduce=True)
         if self.lora:
             with self._shims():
