@@ -4,7 +4,8 @@
 `get_weights`/`load_weights`, `save`/`load` of a checkpoint folder (`model/` an HF folder, `optimizer/` a
 torch.distributed.checkpoint keyed by parameter name, `engine.pt` scheduler and scaler; LoRA adds `adapter/`).
 It uses the engine's `model`, `optimizer`, `scheduler`, `scaler`, `lora`, `vision`, `dp_rank`, `path`; sharded
-engines override `_full_tensor`, `_save_model`, `_save_lora`, `_read_model_folder` and `_load_full_weights`.
+engines override `_full_tensor`, `_save_model`, `_save_lora`, `_read_model_folder`, `_load_full_weights` and
+`_on_every_rank` (what one rank reads or writes alone: its failure raises on every rank, not only on it).
 
 A rank's `save` returns only once the files it wrote are on disk (`fsync_written`): on a shared filesystem (NFS,
 Lustre) the driver's flush of the checkpoint (roll_core.checkpoint) does not flush what other nodes' processes
@@ -14,9 +15,9 @@ wrote, so a crash after the checkpoint was declared complete could have lost a r
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -35,6 +36,8 @@ from roll_engines.train._lora import (
 )
 from roll_engines.train._optim import load_optimizer, save_optimizer
 from roll_engines.train._settings import reapply, snapshot
+
+T = TypeVar("T")
 
 
 class HFWeightsAndCheckpoints:
@@ -120,6 +123,22 @@ class HFWeightsAndCheckpoints:
             fsync_written(folder / "optimizer", rank=self.dp_rank, coordinator=False)
 
     def _write(self, folder: Path, tokenizer_path: str | None) -> None:
+        # Rank 0 writes model/ (and the tokenizer) alone: its failure must reach the others before the optimizer's
+        # collective save, where they waited for it until the process group timed out (`_on_every_rank`).
+        self._on_every_rank(lambda: self._write_model(folder, tokenizer_path), f"writing {folder / 'model'}")
+        if self.optimizer is None:
+            return
+        save_optimizer(self.model, self.optimizer, folder / "optimizer")
+        if self.dp_rank == 0:
+            state = {"scheduler": self.scheduler.state_dict()}
+            if self.scaler is not None:
+                state["scaler"] = self.scaler.state_dict()
+                # The skips in a row so far: pipeline.max_loss_scale_skips counts across a resume, not from 0 again
+                state["scaler_streak"] = int(getattr(self, "scaler_streak", 0))
+            torch.save(state, folder / "engine.pt")
+
+    def _write_model(self, folder: Path, tokenizer_path: str | None) -> None:
+        """`model/` (LoRA: `adapter/` too) with the tokenizer and processor (collective on sharded engines)."""
         if self.lora:
             self._save_lora(folder)
         else:
@@ -131,16 +150,11 @@ class HFWeightsAndCheckpoints:
                 tokenizer_path or self.path, trust_remote_code=self._trust_remote_code
             ).save_pretrained(folder / "model")
             V.save_processor(self.vision, self.path, folder / "model", trust_remote_code=self._trust_remote_code)
-        if self.optimizer is None:
-            return
-        save_optimizer(self.model, self.optimizer, folder / "optimizer")
-        if self.dp_rank == 0:
-            state = {"scheduler": self.scheduler.state_dict()}
-            if self.scaler is not None:
-                state["scaler"] = self.scaler.state_dict()
-                # The skips in a row so far: pipeline.max_loss_scale_skips counts across a resume, not from 0 again
-                state["scaler_streak"] = int(getattr(self, "scaler_streak", 0))
-            torch.save(state, folder / "engine.pt")
+
+    def _on_every_rank(self, work: Callable[[], T], what: str) -> T:
+        """`work()`, where a sharded engine makes a failure on any rank (one rank alone reading or writing) raise on
+        every rank before any goes on to its next collective (roll_engines.train.fsdp2). One process: `work()`."""
+        return work()
 
     def _save_model(self, folder: Path) -> None:
         self.model.save_pretrained(folder, safe_serialization=True)
@@ -157,9 +171,7 @@ class HFWeightsAndCheckpoints:
         if self.lora:  # the base stays what model_path holds; only the adapter was trained
             self._load_adapter(folder / "adapter")
         else:
-            weights = self._read_model_folder(folder / "model")
-            if self.vision and weights:  # (a sharded engine's rank other than 0 reads none)
-                weights = V.own_names(base_model(self.model), weights)
+            weights = self._on_every_rank(lambda: self._read_weights(folder / "model"), f"reading {folder / 'model'}")
             self._load_full_weights(weights)
         if self.optimizer is None:
             return
@@ -178,6 +190,13 @@ class HFWeightsAndCheckpoints:
     def _load_adapter(self, folder: Path) -> None:
         """Load a checkpoint's `adapter/` folder (the fsdp2 engine reads it on rank 0 and broadcasts it)."""
         load_adapter(self.model, folder)
+
+    def _read_weights(self, folder: Path) -> dict[str, Tensor]:
+        """`_read_model_folder` under this model's own names (a vision-language model's)."""
+        weights = self._read_model_folder(folder)
+        if self.vision and weights:  # (a sharded engine's rank other than 0 reads none)
+            weights = V.own_names(base_model(self.model), weights)
+        return weights
 
     def _read_model_folder(self, folder: Path) -> dict[str, Tensor]:
         """The full state dict of a checkpoint's `model/` folder (sharded engines read it on rank 0 only and

@@ -24,24 +24,30 @@ on meta (its construction fails or differs from rank 0's) reads the checkpoint i
 is read by every rank (both logged); a group of one reads it as the hf engine does.
 
 Collectives: `get_weights`, `save` and `load` gather or scatter full tensors and must be called on every rank
-(the worker group's broadcast dispatch does that); only rank 0 returns or writes the full model.
+(the worker group's broadcast dispatch does that); only rank 0 returns or writes the full model. A failure of what
+rank 0 does alone in `save` (writing `model/`, the tokenizer) or `load` (reading `model/`) raises on every rank, not
+only on rank 0 while the others wait in the next collective until the process group times out. A tied parameter is
+written once (under the name transformers keeps), whatever the number of ranks.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from roll_engines.train import _fsdp2_load as L
+from roll_engines.train._hf_checkpoint import shared_names
 from roll_engines.train._settings import backend_for
 from roll_engines.train.hf import HFTrainEngine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _init_process_group(backend: str | None = None) -> bool:
@@ -224,8 +230,43 @@ class FSDP2TrainEngine(HFTrainEngine):
     def _save_model(self, folder: Path) -> None:
         full = self._full_state_dict()
         if self.dp_rank == 0:
+            # A tied parameter's names get one tensor each, gathered apart over several ranks: save_pretrained, which
+            # drops a tie's alias only when the tensors share storage, wrote a tied LM head beside the embedding (a
+            # vocab x hidden copy that a group of one did not write). One tensor under every name, as one process.
+            for names in shared_names(self.model):
+                held = [n for n in names if n in full]
+                for alias in held[1:]:
+                    full[alias] = full[held[0]]
             # save_pretrained on the wrapped model would write DTensors: hand it the gathered state instead.
             self.model.save_pretrained(folder, state_dict=full, safe_serialization=True)
+
+    def _on_every_rank(self, work: Callable[[], T], what: str) -> T:
+        """`work()` on this rank, then one all-reduce: a failure on any rank raises on every rank before any goes on
+        to its next collective. Rank 0 alone writes `model/` and reads it at a load; its failure (a full disk, a
+        truncated file) left the other ranks waiting in the optimizer's save, or in the weights' broadcast, until
+        the process group timed out (30 minutes). The failing rank raises its own exception, the others a
+        RuntimeError naming `what`, the first failing rank and its error."""
+        import torch.distributed as dist
+
+        error: Exception | None = None
+        result: Any = None
+        try:
+            result = work()
+        except Exception as e:  # must reach the other ranks before their next collective
+            error = e
+        size = self.dp_size
+        if size <= 1:
+            if error is not None:
+                raise error
+            return result
+        first = size - self._all_reduce_max(size - self.dp_rank if error is not None else 0)
+        if first == size:
+            return result
+        box = [f"{type(error).__name__}: {error}" if self.dp_rank == first else None]
+        dist.broadcast_object_list(box, src=first, device=self.device)  # device: nccl sends from this rank's GPU
+        if error is not None:
+            raise error
+        raise RuntimeError(f"fsdp2: {what} failed on data-parallel rank {first} of {size}: {box[0]}")
 
     def _read_model_folder(self, folder: Path) -> dict[str, Tensor]:
         """Rank 0 reads the checkpoint's tensors; the others get them from it (`_load_full_weights`)."""
