@@ -1,7 +1,7 @@
 """The launcher that runs first inside every sandbox: limits, identity, then the model's program.
 
 Its source is passed as
-`python -I -S -B -X utf8 -c <source> roll-sandbox-child MAIN READY_FD UID PARENT NAME=SOFT:HARD...`
+`python -I -S -B -X utf8 -c <source> roll-sandbox-child MAIN READY_FD UID PARENT CPUS OFFSET NAME=SOFT:HARD...`
 (READY_FD, UID and PARENT are `-` when unused), so it may import only the standard library, must not import roll,
 and imports as little as it can (every run pays for its start). It runs before any model code, in this order:
 0. if a parent pid is given (unsandboxed runs, which have no bwrap `--die-with-parent`), ask the kernel for
@@ -10,9 +10,14 @@ and imports as little as it can (every run pays for its start). It runs before a
 1. set every resource limit given (hard limits, which the program cannot raise again);
 2. if a uid is given (the caller is root), drop to that uid and gid: RLIMIT_NPROC is never enforced for root,
    and the drop also clears the two capabilities (setuid, setgid) bwrap kept for this step;
-3. write one byte to READY_FD and close it: the caller learns that the sandbox came up, so a failure before
+3. pin this process (and so every process it starts) to N = min(CPUS, CPUs it may use) of its CPUs, taken in
+   turn from position OFFSET of that set (the caller spreads concurrent runs that way), make `os.cpu_count()`
+   return N (Python < 3.13 would say the host's count: `multiprocessing.Pool()`, `ProcessPoolExecutor()` and
+   joblib would start more workers than `max_processes` allows), and set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS,
+   MKL_NUM_THREADS and PYTHON_CPU_COUNT (3.13+, read by interpreters started without -I/-E) to N;
+4. write one byte to READY_FD and close it: the caller learns that the sandbox came up, so a failure before
    this point is a sandbox error, never a wrong answer;
-4. run MAIN as the `__main__` module, with `exit()`/`quit()` defined, as `python MAIN` would.
+5. run MAIN as the `__main__` module, with `exit()`/`quit()` defined, as `python MAIN` would.
 
 Nothing secret is in this process: expected outputs never enter the sandbox, they are compared outside it.
 """
@@ -34,8 +39,20 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def pin_cpus(wanted: int, offset: int) -> int:
+    """Pin to `wanted` of the CPUs this process may use (fewer if it may use fewer), from position `offset` of
+    their sorted list on (wrapping); make `os.cpu_count()` and the thread-pool variables agree. Returns the count."""
+    allowed = sorted(os.sched_getaffinity(0))
+    count = min(wanted, len(allowed))
+    os.sched_setaffinity(0, [allowed[(offset + i) % len(allowed)] for i in range(count)])
+    os.cpu_count = lambda: count  # this interpreter and every process it forks
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "PYTHON_CPU_COUNT"):
+        os.environ[name] = str(count)
+    return count
+
+
 def main() -> None:
-    path, ready, uid, parent, *limits = sys.argv[2:]
+    path, ready, uid, parent, cpus, offset, *limits = sys.argv[2:]
     if parent != "-":
         die_with_parent(int(parent))
     for item in limits:
@@ -48,6 +65,7 @@ def main() -> None:
         os.setuid(int(uid))
         if os.getuid() != int(uid) or os.geteuid() != int(uid):
             raise SystemExit("roll-sandbox-child: could not drop privileges")
+    pin_cpus(int(cpus), int(offset))
     if ready != "-":
         os.write(int(ready), b"1")
         os.close(int(ready))

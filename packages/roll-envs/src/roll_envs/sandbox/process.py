@@ -43,6 +43,11 @@ STATUSES = (OK, RUNTIME_ERROR, TIMEOUT, OUTPUT_LIMIT, SANDBOX_ERROR)
 
 # Bytes of stderr kept for messages (all of it counts towards the output budget).
 STDERR_KEPT = 8192
+# Tasks a `multiprocessing.Pool` needs besides its workers: the main thread and the pool's three handler threads
+# (measured: Pool(n) needs max_processes >= n + 4; ProcessPoolExecutor(n), n + 3).
+POOL_OVERHEAD = 4
+# CPUs a run sees when `SandboxLimits.cpus` is not set (fewer where max_processes leaves no room for them).
+DEFAULT_CPUS = 4
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,10 @@ class SandboxLimits:
     max_output_bytes: int = 1 << 20
     # Memory of all the run's processes together, MiB (a cgroup, where one is writable).
     run_memory_mb: int = 1024
+    # CPUs the program is pinned to and that os.cpu_count() reports inside (fewer if roll may use fewer): the
+    # worker count of `multiprocessing.Pool()` and the like. At most max(1, max_processes - POOL_OVERHEAD), so such
+    # a pool fits in max_processes; None: min(DEFAULT_CPUS, that bound).
+    cpus: int | None = None
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.start_timeout_s <= 0:
@@ -92,6 +101,21 @@ class SandboxLimits:
             raise ValueError(f"max_open_files={self.max_open_files} is too small for Python: use >= 16")
         if self.max_output_bytes < 1:
             raise ValueError("max_output_bytes must be >= 1")
+        if self.cpus is not None and (type(self.cpus) is not int or not 1 <= self.cpus <= self._max_cpus()):
+            raise ValueError(
+                f"cpus={self.cpus!r} must be an integer between 1 and max(1, max_processes - {POOL_OVERHEAD})"
+                f" = {self._max_cpus()} (max_processes={self.max_processes}): a multiprocessing.Pool() of cpus"
+                f" workers, its three threads and the main thread must fit in max_processes"
+            )
+
+    def _max_cpus(self) -> int:
+        return max(1, self.max_processes - POOL_OVERHEAD)
+
+    @property
+    def program_cpus(self) -> int:
+        """CPUs a run is given: `cpus`, or its default for `max_processes` (capped at run time by the CPUs roll may
+        use)."""
+        return self.cpus if self.cpus is not None else min(DEFAULT_CPUS, self._max_cpus())
 
     def rlimits(self) -> dict[str, tuple[int, int]]:
         """`resource` limit names and (soft, hard) values applied inside the child. Soft = hard except for CPU

@@ -30,11 +30,21 @@ Contract:
   how many runs of one `PythonSandbox` exist at once, whoever calls: the others wait for a slot (their wall clock
   starts when they get one), so many rollout threads or concurrent reward calls sharing a sandbox cannot start
   unboundedly many sandboxes, each with its own memory and process budget.
+- CPUs: every run (both modes) is pinned to `SandboxLimits.program_cpus` of the CPUs roll may use (fewer where roll
+  may use fewer), a different window for each run in turn, and inside it `os.cpu_count()` and OMP_NUM_THREADS,
+  OPENBLAS_NUM_THREADS and MKL_NUM_THREADS say that count (`_child.py`), so `multiprocessing.Pool()`,
+  `ProcessPoolExecutor()`, joblib and BLAS/OpenMP/torch thread pools size themselves to it, not to the host's
+  cores, and fit in `max_processes` (on a 64-core host a correct program ended as runtime_error: its pool's
+  processes and threads past max_processes were refused). Not covered: a fresh interpreter the program starts
+  itself (the `spawn`/`forkserver` start methods' workers, `subprocess`) is pinned as well, but its
+  `os.cpu_count()` is the host's before Python 3.13; pools sized in the program's own process, the usual case, are
+  right whatever the start method.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import secrets
@@ -54,6 +64,9 @@ log = logging.getLogger(__name__)
 
 CHILD_SOURCE = (Path(__file__).parent / "_child.py").read_text(encoding="utf-8")
 CHILD_MARKER = "roll-sandbox-child"  # argv[1] of every sandboxed interpreter: lets tests find stray processes
+# Where each run's CPUs start in the list of CPUs it may use (times its CPU count): runs take turns, and each roll
+# process starts at a random place, so concurrent runs (of one process or several) are spread over the host's CPUs.
+_CPU_TURNS = itertools.count(secrets.randbelow(1 << 16))
 # Root drops to a random uid in this range (free on ordinary hosts), so concurrent runs never share a process count.
 _UID_BASE, _UID_SPAN = 1 << 20, 1 << 29
 #: Wall clocks (start and program) of the probe `check` runs at construction.
@@ -234,7 +247,8 @@ class PythonSandbox:
         rlimits = [f"{name}={soft}:{hard}" for name, (soft, hard) in limits.rlimits().items()]
         python = [self._interp.executable, "-I", "-S", "-B", "-X", "utf8", "-c", CHILD_SOURCE, CHILD_MARKER]
         ids = ["-" if uid is None else str(uid), "-" if parent is None else str(parent)]
-        return [*python, main, str(ready_fd), *ids, *rlimits]
+        cpus = limits.program_cpus
+        return [*python, main, str(ready_fd), *ids, str(cpus), str(next(_CPU_TURNS) * cpus), *rlimits]
 
     def _run_unsandboxed(
         self, code: str, stdin_fd: int, ready_r: int, ready_w: int, limits: SandboxLimits
