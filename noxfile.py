@@ -318,6 +318,7 @@ VLLM_TESTS = [
     "-W",
     "ignore::FutureWarning",
     "packages/roll-engines/tests/test_vllm.py",
+    "packages/roll-engines/tests/test_vllm_dropped.py",
     "packages/roll-engines/tests/test_vllm_presets.py",
     "packages/roll-engines/tests/test_vllm_vlm.py",
     "packages/roll-engines/tests/test_vllm_lora.py",

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from roll_core.interfaces import Request, SamplingParams
+from roll_engines.infer import _vllm_inproc as inproc
 from roll_engines.infer._vllm_requests import RequestTable
 from roll_engines.infer.hf import HFInferEngine
 from roll_engines.infer.sglang import SGLangInferEngine, to_request_output
@@ -75,8 +76,8 @@ def vllm_engine(request: pytest.FixtureRequest) -> Iterator[VLLMInferEngine]:
     engine._pending, engine._deferred = RequestTable("vllm"), []
     engine._adapters = engine._routing = engine._sender = engine._image_token_id = None
     engine._paused = engine._stopped = False
-    engine._driver = threading.Thread(target=engine._drive, name="stand-in-driver", daemon=True)
-    engine._driver.start()
+    inproc.join(engine)  # its Release (vLLM's client shut down at shutdown), as __init__ records it
+    engine._driver = inproc.start_driver(engine, "stand-in-driver")
     yield engine
     engine.shutdown()
     assert not engine._driver.is_alive()

