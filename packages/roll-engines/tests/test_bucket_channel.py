@@ -47,9 +47,10 @@ def test_buckets_cross_processes_in_the_engines_dtype() -> None:
     proc = ctx.Process(target=_receiver, args=(sender.address, sender.authkey, out, None))
     proc.start()
     try:
-        sent = [sender.send(p) for p in parts]
-        path = sender._shm_path
-        assert path is not None and os.path.exists(path)
+        sent = [sender.send(parts[0])]
+        path = sender._handle[1]
+        assert sender._shm_path is None and not os.path.exists(path)  # gone once the receiver mapped it
+        sent += [sender.send(p) for p in parts[1:]]
     finally:
         sender.close()
     got = out.get(timeout=120)
@@ -61,12 +62,11 @@ def test_buckets_cross_processes_in_the_engines_dtype() -> None:
         assert dtype == str(expected.dtype)
         assert torch.equal(torch.tensor(values, dtype=torch.float64), expected.double())
     # Each bucket crossed in bf16 (half of fp32's bytes for the float tensors) through one reused buffer that holds
-    # the largest bucket, not the model; the buffer is gone once the sync closed.
+    # the largest bucket, not the model.
     assert sent == [sum(t.numel() * (2 if t.is_floating_point() else 8) for _, t in p) for p in parts]
     assert sender.dtypes == {"bfloat16", "int64"}
     assert sender.peak_buffer_bytes == max(layout(p, torch.bfloat16)[1] for p in parts)
     assert sender.peak_buffer_bytes < sum(t.numel() * t.element_size() for _, t in named) / 2
-    assert not os.path.exists(path)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the abstract socket namespace is Linux's")
@@ -317,7 +317,7 @@ thread = threading.Thread(target=lambda: got.extend(receive_buckets(sender.addre
 thread.start()
 try:
     sender.send([("embed.weight", weight)])
-    print("staged in", sender._shm_path, flush=True)
+    print("staged in", sender._handle[1], flush=True)
 except RuntimeError as exc:
     print("refused:", exc, flush=True)
 finally:
@@ -328,13 +328,14 @@ print("received", len(got), bool(got) and torch.equal(got[0][1], weight), flush=
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a private /dev/shm needs Linux namespaces")
-@pytest.mark.parametrize("tmp_room", ["disk", "none"])
+@pytest.mark.parametrize("tmp_room", ["disk", "none", "readonly"])
 def test_a_dev_shm_too_small_for_the_staging_buffer_is_no_crash(tmp_path, tmp_room: str) -> None:
     """The CPU staging buffer was a sparse file in /dev/shm: one larger than the room there (a Docker container's
     64 MiB and an embedding of hundreds) killed the engine with SIGBUS at the first write past it, with no word of
     why. Its blocks are reserved now: it is staged in the temp folder instead (`disk`), or, with no room there either
-    (`none`), the send raises an error naming the size and what to do. Run in a private mount namespace whose
-    /dev/shm is a 1 MiB tmpfs (`unshare`; skipped where that is not allowed)."""
+    (`none`), the send raises an error naming the size and what to do. A /dev/shm that cannot be written at all
+    (`readonly`) raised a bare OSError from the open; it is staged in the temp folder too. Run in a private mount
+    namespace whose /dev/shm is a 1 MiB tmpfs (`unshare`; skipped where that is not allowed)."""
     import shutil
     import subprocess
 
@@ -344,7 +345,7 @@ def test_a_dev_shm_too_small_for_the_staging_buffer_is_no_crash(tmp_path, tmp_ro
     small.mkdir()
     script = tmp_path / "stage.py"
     script.write_text(_SMALL_SHM)
-    mounts = "mount -t tmpfs -o size=1m tmpfs /dev/shm"
+    mounts = f"mount -t tmpfs -o {'ro,' if tmp_room == 'readonly' else ''}size=1m tmpfs /dev/shm"
     if tmp_room == "none":
         mounts += f" && mount -t tmpfs -o size=1m tmpfs {small}"
     env = {**os.environ, "TMPDIR": str(small if tmp_room == "none" else tmp_path)}
@@ -356,9 +357,11 @@ def test_a_dev_shm_too_small_for_the_staging_buffer_is_no_crash(tmp_path, tmp_ro
         env=env,
     )
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])  # -7 / 135: SIGBUS
-    if tmp_room == "disk":
+    if tmp_room != "none":
         assert f"staged in {tmp_path}" in done.stdout and "received 1 True" in done.stdout, done.stdout
         assert "no room for a 4194304-byte staging buffer in ['/dev/shm" in done.stderr, done.stderr[-2000:]
+        reason = "Read-only file system" if tmp_room == "readonly" else "No space left on device"
+        assert f"/dev/shm ({reason})" in done.stderr, done.stderr[-2000:]
     else:
         assert "refused: weight sync: no room for a staging buffer of 4194304 bytes" in done.stdout, done.stdout
         assert "--shm-size" in done.stdout
@@ -433,3 +436,117 @@ def test_a_vllm_shutdown_closes_the_channel_of_an_unfinished_sync(tmp_path, monk
     engine.shutdown()
     assert list(tmp_path.iterdir()) == [] and engine._sender is None and sender._listener._listener is None
     assert not engine._driver.is_alive()
+
+
+# ---- a sender killed mid-sync, roll's old naming, every folder swept ------------------------------------------
+def _killed_sender(folder: str, out) -> None:
+    from roll_engines.infer import _bucket_channel as channel
+
+    shared_file = channel._shared_file
+    channel._shared_file = lambda nbytes: shared_file(nbytes, [folder])
+    sender = BucketSender(1, "cpu", torch.bfloat16, timeout_s=120)
+    out.put((sender.address, sender.authkey))
+    sender.send(_named(3))
+    out.put("acknowledged")
+    threading.Event().wait(120)  # SIGKILLed here, mid-sync: no close, no exit handler
+
+
+def _recording_receiver(address: str, authkey: bytes, out) -> None:
+    try:
+        for name, _ in receive_buckets(address, authkey, timeout_s=120):
+            out.put(name)
+    except BaseException as exc:
+        out.put(type(exc).__name__)
+    out.put(None)
+
+
+def test_an_engine_killed_mid_sync_leaves_no_staging_file(tmp_path) -> None:
+    """The staging file stayed named until the sync closed: an engine (the sender's process) SIGKILLed mid-sync
+    left it in /dev/shm until a later sync of the same user and pid namespace came to sweep it, for ever where none
+    came. It is unlinked once every receiver mapped it (acknowledged its first bucket), so the kill leaves nothing;
+    the receiver still got the bucket, and its stream then fails (the sender is gone)."""
+    import signal
+
+    ctx = mp.get_context("spawn")
+    out, got = ctx.Queue(), ctx.Queue()
+    sender = ctx.Process(target=_killed_sender, args=(str(tmp_path), out))
+    sender.start()
+    receiver = None
+    try:
+        address, authkey = out.get(timeout=120)
+        receiver = ctx.Process(target=_recording_receiver, args=(address, authkey, got))
+        receiver.start()
+        assert out.get(timeout=120) == "acknowledged"
+        os.kill(sender.pid, signal.SIGKILL)
+        sender.join(timeout=60)
+        assert sender.exitcode == -signal.SIGKILL
+        names = [got.get(timeout=120) for _ in range(len(_named(3)) + 2)]
+        assert names == [n for n, _ in _named(3)] + ["EOFError", None]
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        for proc in (sender, receiver):
+            if proc is not None and proc.is_alive():
+                proc.kill()
+            if proc is not None:
+                proc.join(timeout=60)
+        for leftover in tmp_path.glob("roll-weights-*"):  # on a failure: no file of this test stays behind
+            leftover.unlink()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="pid namespaces are told apart through /proc")
+def test_staging_files_of_roll_s_old_naming_are_removed_once_an_hour_old(tmp_path, caplog) -> None:
+    """Roll named its staging files `roll-weights-<pid>-<12 hex>` before they carried the pid namespace, and the
+    sweep judged only the new names: those that killed engines left (one was in this machine's /dev/shm, 15 h
+    old) stayed for ever. A dead pid's one, of this user, an hour old or more goes; a younger one (its pid may live in
+    another pid namespace, mid-sync), a live pid's, another user's and near-miss names stay."""
+    import logging
+
+    from roll_engines.infer import _bucket_channel as channel
+
+    dead = _dead_pid()
+    old = time.time() - 2 * 3600  # two hours
+
+    def make(name: str, age: float | None = old, size: int = 10) -> None:
+        path = tmp_path / name
+        path.write_bytes(b"x" * size)
+        if age is not None:
+            os.utime(path, (age, age))
+
+    make(f"roll-weights-{dead}-0123456789ab", size=1000)
+    keep = [
+        f"roll-weights-{dead}-ba9876543210",  # young: maybe a live sync of another pid namespace
+        f"roll-weights-{os.getpid()}-cccccccccccc",  # alive here
+        f"roll-weights-{dead}-dddddddddddd-x",  # not the old naming
+        f"roll-weights-{dead}-eeeeeeeeeee",  # 11 hex digits
+    ]
+    make(keep[0], age=None)
+    for name in keep[1:]:
+        make(name)
+    if os.getuid() == 0:  # only root can give a file to another user
+        keep.append(f"roll-weights-{dead}-ffffffffffff")
+        make(keep[-1])
+        os.chown(tmp_path / keep[-1], 12345, -1)
+        os.utime(tmp_path / keep[-1], (old, old))
+    with caplog.at_level(logging.WARNING, logger=channel.__name__):
+        assert channel.remove_dead_leftovers(str(tmp_path), "weights") == (1, 1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)
+    assert "removed 1 leftover roll-weights entry of dead processes (1000 bytes)" in caplog.text
+    assert channel.remove_dead_leftovers(str(tmp_path), "lora") == (0, 0)  # LoRA folders never had this naming
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="pid namespaces are told apart through /proc")
+def test_a_new_staging_file_sweeps_every_folder_it_may_go_to(tmp_path) -> None:
+    """Leftovers were swept only in the folders tried: one a killed engine left in the temp folder (staged there when
+    /dev/shm was full) stayed as long as /dev/shm had room for the next staging files."""
+    from roll_engines.infer import _bucket_channel as channel
+
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    (tmp / f"roll-weights-{_dead_pid()}-{_ns()}-aaaaaaaaaaaa").write_bytes(b"x" * 10)
+    path = channel._shared_file(64, [str(shm), str(tmp)])
+    try:
+        assert os.path.dirname(path) == str(shm)
+        assert list(tmp.iterdir()) == []
+    finally:
+        os.unlink(path)

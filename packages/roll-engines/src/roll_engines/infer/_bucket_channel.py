@@ -23,8 +23,11 @@ workers pull the buckets through this channel, one at a time:
 roll_engines.infer._vllm_worker). Either way it releases the staging buffer, so nothing of the sync stays behind in
 the adapter's process. A receiver found dead at `close(ok=True)` does not cost the others their end: all live ones
 get it, then `ChannelError` names the dead ones. Neither side waits on the other unbounded (`TIMEOUT_S`).
-A process killed mid-sync never closes: its staging file (named with its pid and pid namespace) is removed when a
-later one is created (`remove_dead_leftovers`, which LoRA adapter folders use too: roll_engines.infer._adapters).
+A process killed mid-sync never closes, so the staging file leaves its folder as soon as every receiver mapped it
+(unlinked once they acknowledged the first bucket staged in it; the mappings live on). One killed before that (named
+with its pid and pid namespace) is removed when a later one is created, from every folder a staging file may go to
+(`remove_dead_leftovers`, which LoRA adapter folders use too: roll_engines.infer._adapters), as are the files of roll
+versions that named them by pid alone, once an hour old.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ ALIGN = 64  # bytes: every tensor starts at an offset its dtype can be viewed at
 #: receiver's for the next message). infer_engine.sync_timeout_s has the same default but does not reach this
 #: channel: it is a worker key (roll_core.cluster.engine_worker.WORKER_KEYS), never given to the vLLM engine.
 TIMEOUT_S = 600.0
+#: Age (seconds since last modified) from which a staging file of roll's old naming (pid, no pid namespace) whose pid
+#: is dead here is removed: its pid may belong to a live process of another pid namespace, but no sync of the roll
+#: versions that wrote it kept one file this long (one file lives one sync at most).
+OLD_NAMING_AGE_S = 3600.0
 Spec = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype, byte offset into the buffer
 
 
@@ -136,24 +143,32 @@ def remove_dead_leftovers(folder: str, kind: str) -> tuple[int, int]:
     """Remove from `folder` the entries of `kind` (named by `leftover_prefix`) of dead processes: created in this pid
     namespace, by this user, by a pid that no longer runs. A process killed mid-sync (OOM killer, SIGKILL, a node
     agent) never ran its close, and /dev/shm is RAM that lives as long as the node: one staging buffer (the largest
-    bucket) or adapter folder stayed there per killed process. Entries of live pids, of other pid namespaces or
-    users, and any other name are kept. Returns (entries removed, their bytes), and logs them."""
+    bucket) or adapter folder stayed there per killed process. Staging files of roll's old naming (`roll-weights-`,
+    pid, 12 hex digits: no pid namespace) of a dead pid and this user go too, once `OLD_NAMING_AGE_S` old: nothing
+    else ever removed them. Entries of live pids, of other pid namespaces or users, and any other name are kept.
+    Returns (entries removed, their bytes), and logs them."""
     ns = _pid_namespace()
     if os.name == "nt" or ns is None:  # Windows: os.kill(pid, 0) would end the process; no namespace: cannot tell
         return 0, 0
     pattern = re.compile(rf"roll-{re.escape(kind)}-(\d+)-{ns}-")
+    # roll's old staging-file naming: judged by age as well (OLD_NAMING_AGE_S)
+    old = re.compile(r"roll-weights-(\d+)-[0-9a-f]{12}") if kind == "weights" else None
     removed = nbytes = 0
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return 0, 0
+    now = time.time()
     for entry in entries:
-        match = pattern.match(entry.name)
+        match, aged = pattern.match(entry.name), False
+        if match is None and old is not None:
+            match = old.fullmatch(entry.name)
+            aged = match is not None
         if match is None or _pid_alive(int(match.group(1))):
             continue
         try:
             st = entry.stat(follow_symlinks=False)
-            if st.st_uid != os.getuid():
+            if st.st_uid != os.getuid() or (aged and now - st.st_mtime < OLD_NAMING_AGE_S):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 size = _tree_bytes(entry.path)
@@ -181,15 +196,23 @@ def _shared_file(nbytes: int, folders: Sequence[str] | None = None) -> str:
 
     Its blocks are allocated here (`posix_fallocate`): a sparse file (`truncate`) in a /dev/shm too small for it
     (Docker's default is 64 MiB; one embedding of a 0.5B model is 272 MiB) killed the engine with SIGBUS at the
-    first write past the room. A file in the temp folder is shared through the page cache as well (slower). The
-    leftovers of killed processes in those folders are removed first (`remove_dead_leftovers`)."""
+    first write past the room. A file in the temp folder is shared through the page cache as well (slower); so is
+    one where /dev/shm cannot be written (a read-only mount). The leftovers of killed processes in all those folders
+    are removed first (`remove_dead_leftovers`): a file left in the temp folder stayed while /dev/shm had room."""
     if folders is None:
         folders = [f for f in ("/dev/shm",) if os.path.isdir(f)] + [tempfile.gettempdir()]
-    tried = []
     for folder in folders:
         remove_dead_leftovers(folder, "weights")
+    tried = []
+    for folder in folders:
         path = os.path.join(folder, leftover_prefix("weights") + uuid.uuid4().hex[:12])
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+                raise
+            tried.append(f"{folder} ({exc.strerror})")
+            continue
         try:
             if hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(fd, 0, nbytes)
@@ -209,7 +232,7 @@ def _shared_file(nbytes: int, folders: Sequence[str] | None = None) -> str:
     raise RuntimeError(
         f"weight sync: no room for a staging buffer of {nbytes} bytes (the largest bucket, or a single tensor larger "
         f"than infer_engine.sync_bucket_mb) in {', '.join(tried)}: give the container more shared memory "
-        "(docker run --shm-size) or free space there"
+        "(docker run --shm-size) or free space there (or write access: the temp folder is TMPDIR)"
     )
 
 
@@ -310,9 +333,13 @@ class BucketSender:
 
     def _release(self) -> None:
         self._buffer, self._handle = None, None
+        self._unlink()
+
+    def _unlink(self) -> None:
+        """Remove the staging file's name; whoever maps it (this process, receivers) keeps the mapping until dropped."""
         if self._shm_path is not None:
             try:
-                os.unlink(self._shm_path)  # receivers that still map it keep their mapping until they drop it
+                os.unlink(self._shm_path)
             except FileNotFoundError:
                 pass
             self._shm_path = None
@@ -346,6 +373,10 @@ class BucketSender:
                 raise ChannelError(f"a weight receiver closed its connection mid-sync ({exc})") from exc
             if reply != "ok":
                 raise ChannelError(f"a weight receiver failed: {reply}")
+        # Every receiver mapped the buffer (it acknowledged a bucket it read there): its file need not outlive a
+        # kill of this process now. Left named to the end of the sync, it stayed in /dev/shm for ever when the
+        # engine was killed mid-sync (unless a later sync of this user and pid namespace came to sweep it).
+        self._unlink()
         self.buckets += 1
         self.bytes += payload
         self.dtypes.update(d for _, _, d, _ in specs)
