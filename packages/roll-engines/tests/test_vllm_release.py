@@ -211,3 +211,31 @@ def test_an_engine_alive_at_interpreter_exit_exits_cleanly(tiny: str) -> None:
     assert done.stdout.strip().endswith("built")
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
     assert "dropped without shutdown" not in done.stderr, done.stderr
+
+
+def test_a_finalizer_run_on_a_thread_holding_the_registry_lock_does_not_hang() -> None:
+    """A dropped engine's finalizer runs inside the cyclic garbage collector, on whichever thread an allocation
+    triggered it: one inside `with _LOCK:` (join, collect_dropped, another engine's release) hung for good on the
+    plain lock it takes again. Here the finalizer runs on a thread that holds the lock."""
+    import threading
+
+    from roll_engines.infer import _vllm_inproc as inproc
+
+    client = InprocClient()
+    client.shutdown = lambda: SHUTDOWNS.append(client)  # type: ignore[attr-defined]
+    release = inproc.Release.__new__(inproc.Release)
+    release.__dict__.update(
+        name="vllm-gc", client=client, inproc=True, uses_groups=True, owner=lambda: None, turn=threading.Lock(),
+        jobs=None, pending=None, deferred=None, adapters=None, shutdowns=0,
+    )  # fmt: skip
+    inproc._LIVE.add(release)
+    done = threading.Event()
+
+    def collect_while_holding_the_lock() -> None:
+        with inproc._LOCK:
+            inproc._collected(release)
+        done.set()
+
+    threading.Thread(target=collect_while_holding_the_lock, daemon=True).start()
+    assert done.wait(60), "the finalizer hung on the registry lock its own thread held"
+    assert release.shutdowns == 1 and release not in inproc._LIVE and release.client is None

@@ -36,7 +36,9 @@ log = logging.getLogger("roll_engines.infer.vllm")
 
 #: The `Release` of every engine not yet released (shut down or collected).
 _LIVE: set[Release] = set()
-_LOCK = threading.Lock()
+# Re-entrant, and every reader iterates a snapshot: a dropped engine's finalizer (`_collected`) runs inside the cyclic
+# garbage collector, on whichever thread an allocation triggered it, possibly one holding this lock (a plain lock hung).
+_LOCK = threading.RLock()
 
 #: How long `collect_dropped` waits for an engine's turn in progress (a step, a batch of jobs) to end.
 TURN_WAIT_S = 10.0
@@ -79,7 +81,7 @@ class Release:
         with _LOCK:
             client, self.client = self.client, None
             _LIVE.discard(self)
-            others = [r.owner() for r in _LIVE if r.uses_groups] if self.inproc else []
+            others = [r.owner() for r in tuple(_LIVE) if r.uses_groups] if self.inproc else []
         if client is None:
             return
         for other in others:
@@ -135,7 +137,7 @@ def join(owner: Any) -> None:
     finalizer.atexit = False
     owner._vllm_finalizer = finalizer
     with _LOCK:
-        others = [r for r in _LIVE if r.inproc and (release.uses_groups or r.uses_groups)]
+        others = [r for r in tuple(_LIVE) if r.inproc and (release.uses_groups or r.uses_groups)]
         _LIVE.add(release)
     if release.inproc and others:
         log.warning(
@@ -153,7 +155,7 @@ def collect_dropped() -> None:
     down), so that none is collected later, under the new engine. Waits (`TURN_WAIT_S` at most) for each live
     engine's driver turn in progress, since a driver holds its engine during a turn."""
     with _LOCK:
-        releases = list(_LIVE)
+        releases = tuple(_LIVE)
     if not releases:
         return
     held = [r.turn for r in releases if r.turn.acquire(timeout=TURN_WAIT_S)]
