@@ -7,7 +7,8 @@ rank alone let the others go on into their first collective, where they waited u
 
 Contract of `agreed(check, size, device, group)`:
 - `check()` is host work only (no collective); it returns the checked batch or raises.
-- `size` <= 1 (one process, or a group of one): `check()`'s result or exception, unchanged, and no collective.
+- `size` <= 1 (one process, or a group of one), or no process group initialised (nothing any rank could wait in):
+  `check()`'s result or exception, unchanged, and no collective.
 - Otherwise every rank of `group` (None: the default group) calls `agreed` at the same point. One all-reduce (MAX)
   of a length: 0 when every rank's check passed, and then each rank gets its own result. Otherwise one all-gather of
   the failing ranks' messages, and every rank raises the same error naming each failing rank (its rank in `group`)
@@ -33,10 +34,10 @@ _SEP = "\x1f"  # between a message's exception type and its text (a padded messa
 def agreed(check: Callable[[], T], size: int, device: torch.device | str = "cpu", group: Any = None) -> T:
     """`check()` on this rank; with `size` > 1 data-parallel ranks, a refusal on any rank raised on every rank of
     `group` (module docstring). `device` holds the exchanged tensors (nccl/hccl reduce device tensors only)."""
-    if size <= 1:
-        return check()
     import torch.distributed as dist
 
+    if size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return check()  # no group to agree over (an engine told of ranks its process has no group for: tests)
     result: Any = None
     error: Exception | None = None
     try:
