@@ -416,8 +416,10 @@ class RolloutScheduler:
         start order (it stops at the oldest running one); order "deadline": every complete due group, then complete
         groups in start order while the slots reserved for running groups of near deadlines allow; order "ready":
         complete groups oldest first, skipping running ones. Stale complete groups met on the way are dropped
-        (counted). The caller trains on what it gets, or `discard`s groups it does not want (dynamic sampling);
-        with order "deadline" `limit` must be the batch's free slots (see the module docstring)."""
+        (counted): order "ready" only, by design; in orders "start" and "deadline" `finish_update` has already
+        restarted them, and the drop stays only as a safety net. The caller trains on what it gets, or `discard`s
+        groups it does not want (dynamic sampling); with order "deadline" `limit` must be the batch's free slots (see
+        the module docstring)."""
         if self.order == "deadline":
             return self._take_by_deadline(limit)
         in_order = self.order == "start"
