@@ -197,34 +197,30 @@ class Pictured:
         return self._obs(self.where == "echo"), 0.5, False, False, {}
 
 
-@pytest.mark.parametrize("where", ["first"])  # a later observation's spelling is text: the test below
-def test_an_observation_spelling_the_picture_placeholder_fails_its_episode_not_the_rollout(where: str) -> None:
+def test_an_observation_the_template_cannot_encode_fails_its_episode_not_the_rollout() -> None:
+    """Pictures for a text model: the first observation cannot be encoded, so the episode ends as an env_error
+    (counted, nothing to train on) and the rollout goes on."""
+    tok = build_tiny_tokenizer()
+    envs = EnvManager(lambda: Pictured("first", "<image>"), 0, step_timeout_s=10)
+    rollout = AgenticRollout(ScriptedEngine(tok, [2]), envs, TurnTemplate(tok, "Play."), tok, EpisodeLimits(3, 4096, 8))
+    trajs = rollout.run([0, 1], [0, 0], SamplingParams(max_new_tokens=8))
+    assert [t.end for t in trajs] == ["env_error"] * 2
+    assert all("could not be encoded" in t.error and "not a vision-language model" in t.error for t in trajs)
+    assert envs.counters()["env_errors"] == 2
+    assert [t.turns for t in trajs] == [0, 0]
+
+
+@pytest.mark.parametrize("where", ["first", "echo"])
+def test_an_observation_spelling_the_picture_placeholder_is_text(where: str) -> None:
+    """Observations are untrusted text (roll_core.agentic.turn_text), the first (reset's) as a later one: an
+    environment that spells the placeholder gets its text ids, not a picture placeholder, so the episode goes on
+    (it ended as an env_error) and every placeholder id in the context belongs to a picture."""
     from roll_core.models import resolve_model_path
     from roll_core.multimodal import VisionProcessor
 
     vp = VisionProcessor(resolve_model_path("builtin:tiny-qwen2.5-vl"))
     placeholder = vp.tokenizer.convert_ids_to_tokens(vp.image_token_id)
     envs = EnvManager(lambda: Pictured(where, placeholder), 0, step_timeout_s=10)
-    template = TurnTemplate(vp.tokenizer, "Play.", vision=vp)
-    rollout = AgenticRollout(ScriptedEngine(vp.tokenizer, [2]), envs, template, vp.tokenizer, EpisodeLimits(3, 4096, 8))
-    trajs = rollout.run([0, 1], [0, 0], SamplingParams(max_new_tokens=8))
-    assert [t.end for t in trajs] == ["env_error"] * 2
-    assert all("could not be encoded" in t.error for t in trajs)
-    assert envs.counters()["env_errors"] == 2
-    # the first observation: nothing to train on; an echoed one: the turn before it keeps its reward
-    assert [t.turns for t in trajs] == ([0, 0] if where == "first" else [1, 1])
-
-
-def test_a_later_observation_spelling_the_picture_placeholder_is_text() -> None:
-    """An observation after the first is untrusted text (roll_core.agentic.turn_text): an environment that echoes
-    the placeholder's spelling gets its text ids, not a picture placeholder, so the episode goes on (it ended as an
-    env_error) and every placeholder id in the context belongs to a picture."""
-    from roll_core.models import resolve_model_path
-    from roll_core.multimodal import VisionProcessor
-
-    vp = VisionProcessor(resolve_model_path("builtin:tiny-qwen2.5-vl"))
-    placeholder = vp.tokenizer.convert_ids_to_tokens(vp.image_token_id)
-    envs = EnvManager(lambda: Pictured("echo", placeholder), 0, step_timeout_s=10)
     template = TurnTemplate(vp.tokenizer, "Play.", vision=vp)
     rollout = AgenticRollout(ScriptedEngine(vp.tokenizer, [2]), envs, template, vp.tokenizer, EpisodeLimits(3, 4096, 8))
     trajs = rollout.run([0, 1], [0, 0], SamplingParams(max_new_tokens=8))

@@ -153,15 +153,16 @@ def test_math_answers_vote_under_the_spelling_the_reward_grades() -> None:
     assert summarize(rows, [1])["maj"] == 1.0
 
 
-def test_a_graded_sample_with_a_correctness_other_than_0_or_1_is_refused() -> None:
+def test_a_graded_sample_with_a_correctness_other_than_0_or_1_is_a_failed_sample() -> None:
     """A reward giving correct=0.5 (partial credit) broke pass@1 = accuracy silently (accuracy averaged 0.5, pass@k
-    counted it as a pass): refused with the problem and sample named. A failed sample's value is never read."""
+    counted it as a pass): it was refused, now it is a failed sample (wrong), counted in `invalid_correct`, as a
+    training run's eval/accuracy counts it (test_eval_invalid_correct). A failed sample's value is never read."""
     rows = _rows([[("1", 1), ("2", 0)]])
     rows[1]["correct"] = 0.5
-    with pytest.raises(ValueError, match=r"problem 0 sample 1: correct=0.5"):
-        summarize(rows, [1])
+    m = summarize(rows, [1])
+    assert m["accuracy"] == m["pass@1"] == pytest.approx(0.5) and m["invalid_correct"] == m["failed"] == 1
     rows[1]["failed"] = "reward"
-    assert summarize(rows, [1])["accuracy"] == pytest.approx(0.5)
+    assert summarize(rows, [1])["accuracy"] == pytest.approx(0.5) and summarize(rows, [1])["invalid_correct"] == 0
 
 
 class _TextEngine:

@@ -33,10 +33,10 @@ pytest.importorskip("aiohttp")
 
 
 # ---- parsers ------------------------------------------------------------------------------------------------------
-def test_score_parser_takes_the_last_score_in_range() -> None:
+def test_score_parser_reads_the_score_in_range() -> None:
     p = ScoreParser(0, 10)
     assert p("The response is right. Score: 7") == pytest.approx(0.7)
-    assert p("Score: 3 at first; on reflection, Score: 8") == pytest.approx(0.8)  # several scores: the last
+    assert p("Score: 3 at first; on reflection:\nScore: 8") == pytest.approx(0.8)  # a final score line wins
     assert p("Step 1 gives 12, step 2 gives 40.\nScore: 9 (of 10)") == pytest.approx(0.9)  # other numbers ignored
     assert p("Rating: **9**/10") == pytest.approx(0.9)
     assert p("**Score**: 8") == pytest.approx(0.8) and p("__Rating__: 8/10") == pytest.approx(0.8)  # markdown labels

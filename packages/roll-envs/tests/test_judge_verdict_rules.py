@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from roll_envs.rewards._judge_parse import VerdictParser
+from roll_envs.rewards._judge_spec import JudgeSpec
 
 YES_NO = VerdictParser({"yes": 1.0, "no": 0.0})
 CORRECT = VerdictParser({"correct": 1.0, "incorrect": 0.0})
@@ -62,3 +63,31 @@ def test_plain_verdicts_still_read() -> None:
     assert YES_NO("Verdict: no (the response's final answer: yes, the reference answer: no... answer: yes)") == 0.0
     assert YES_NO("The reference answer: yes. The response's answer: no.\nAnswer: no") == 0.0  # its own line wins
     assert YES_NO("Reasoning done.\nAnswer: no") == 0.0
+
+
+def test_a_verdict_after_an_echo_of_the_templates_question_reads() -> None:
+    """`Is the response correct? Yes.` under a template asking just that was an invalid verdict (a `?` before the
+    label); the echo is dropped now. A question of the judge's own and an echo answered both ways stay invalid."""
+    own = JudgeSpec.resolve(
+        "{prompt}\n{response}\n{answer}\nIs the response correct? Answer yes or no.",
+        None, None, None, None, {"yes": 1.0, "no": 0.0}, None,
+    )  # fmt: skip
+    p = own.parser
+    assert p("Is the response correct? Yes.") == 1.0 and p("**Is the response  correct?** No") == 0.0
+    assert p("The response says 5, the reference 5. Is the response correct? Yes, it is.") == 1.0
+    assert p("Is the response correct?\nVerdict: no") == 0.0
+    for invalid in (
+        "Is it wrong? No.",  # the judge's own question: its yes/no may be the template's opposite
+        "Is the response correct? Yes. Is the response correct? No.",  # both labels as verdicts
+        "Is the response correct? Yes or no? No.",
+        "Is the response correct? Yes, wait, no.",
+        "Is the response correct?",
+    ):
+        assert p(invalid) is None, invalid
+    # the built-in verdict template's question; a question in a field's value (the prompt's) is no echo
+    builtin = JudgeSpec.resolve("verdict", None, None, None, None, None, None).parser
+    assert builtin("Does the response give an answer equivalent to the reference answer? No.") == 0.0
+    asks = JudgeSpec.resolve("Q: {prompt}\n{response}\nVerdict?", None, "verdict", None, None, None, None).parser
+    assert asks("Is 7 prime? Yes.") is None and asks("Verdict? yes") == 1.0
+    # the parser alone (no template) knows no echo
+    assert YES_NO("Is the response correct? Yes.") is None

@@ -159,7 +159,7 @@ def test_a_three_turn_conversation_holds_each_picture_once_in_order(vision: Any)
     assert both.tensors["pixel_values"].shape[0] == int(both.tensors["image_grid_thw"].prod(-1).sum())
 
 
-def test_pictures_need_a_vision_model_and_placeholders_typed_in_text_are_caught(vision: Any) -> None:
+def test_pictures_need_a_vision_model_and_placeholders_typed_in_text_are_text(vision: Any) -> None:
     from transformers import AutoTokenizer
 
     from roll_core.agentic.chat import TurnTemplate
@@ -171,9 +171,11 @@ def test_pictures_need_a_vision_model_and_placeholders_typed_in_text_are_caught(
         text_model.initial_turn(obs)
     assert text_model.initial_turn("a text observation")[1] is None  # text stays text
     template = TurnTemplate(vision.tokenizer, vision=vision)
-    with pytest.raises(ValueError, match="placeholder"):
-        template.initial_turn({"text": "look <|image_pad|>", "images": obs["images"]})
-    # a later observation is untrusted text (roll_core.agentic.turn_text): its spelling is text, not a placeholder
+    # observations are untrusted text (roll_core.agentic.turn_text), the first as a later one: a typed placeholder
+    # is text, not a picture's; the pictures' placeholders are the template's, checked against the pictures
+    first, mm = template.initial_turn({"text": "look <|image_pad|>", "images": obs["images"]})
+    assert first.count(vision.image_token_id) == sum(mm.tokens_per_image)
+    assert "look <|image_pad|>" in vision.tokenizer.decode(first)
     typed, _ = template.observation_turn("a typed <|image_pad|>", [vision.tokenizer.eos_token_id])
     assert vision.image_token_id not in typed and "a typed <|image_pad|>" in vision.tokenizer.decode(typed)
     ids, mm = template.initial_turn("no picture yet")

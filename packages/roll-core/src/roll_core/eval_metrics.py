@@ -54,9 +54,11 @@ Contract:
   independent draws from the task (an easy problem makes all of them right), and the held-out problems are the
   sample that decides how far the number can move. For 0/1 scores it is `sqrt(p (1 - p) / (P - 1))` (scores 1, 0,
   1, 1: 0.75 +- 0.25). None with one problem. Problems with different sample counts are allowed (a warning says how
-  many fall short of the largest count). A graded sample's `correct` must be 0 or 1 (the RewardResult contract):
-  any other value is an error, since pass@k reads it as pass/fail and accuracy would average it (`is_grade`; a
-  training run's eval/accuracy counts such a row as failed instead, as the reward guard flags it).
+  many fall short of the largest count). A graded sample's `correct` must be 0 or 1 (the RewardResult contract:
+  pass@k reads it as pass/fail, accuracy would average it): one that is no grade (`is_grade`: partial credit 0.5,
+  NaN) is a failed sample (`graded_row`: `failed` "reward", `correct` 0), counted in `failed` and in
+  `invalid_correct` (a warning says so), as a training run's eval/accuracy counts it and the reward guard flags it;
+  roll-eval refused the whole evaluation for one such row, so the same rows gave no number where training gave one.
   `rate_stderr(rate, n)` is the same standard error for a rate of n 0/1 outcomes kept only as the rate (an agentic
   evaluation's success rate over its n held-out episodes, one per seed: `success_rate_stderr`, `accuracy_stderr`).
 """
@@ -357,8 +359,8 @@ def _group_grade(
 
 def is_grade(correct: Any) -> bool:
     """Whether a sample's `correct` is a grade: 0 or 1 (a bool included). 0.5, NaN or text is none (nor is None
-    here: the reward guard writes a None grade as 0 before any row holds it): roll-eval's `summarize` refuses such
-    a graded sample; a training run's eval/accuracy (roll_core.pipelines.rollout.evaluate) counts it as a failed
+    here: the reward guard writes a None grade as 0 before any row holds it): roll-eval's `summarize` (`graded_row`)
+    and a training run's eval/accuracy (roll_core.pipelines.rollout.evaluate) count such a graded sample as a failed
     one, as roll's reward guard (roll_core.cluster.reward_guard) flags it."""
     if isinstance(correct, (str, bytes)) or correct is None:
         return False
@@ -368,30 +370,35 @@ def is_grade(correct: Any) -> bool:
         return False
 
 
-def _check_grades(problems: Mapping[Any, Sequence[Mapping[str, Any]]]) -> None:
-    """Refuse a graded sample whose `correct` is not 0 or 1 (module docstring)."""
-    for index, samples in problems.items():
-        for r in samples:
-            if r.get("failed"):
-                continue  # never graded: counted as 0 whatever it holds
-            if not is_grade(r["correct"]):
-                raise ValueError(
-                    f"problem {index} sample {r['sample']}: correct={r['correct']!r}, but a sample's correctness "
-                    "must be 0 or 1 (pass@k and maj@n read it as pass/fail): the reward's `correct` must be 0/1"
-                )
+def graded_row(row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`row` as the metrics count it: a graded row (no `failed`) whose `correct` is no grade (`is_grade`) becomes a
+    failed one (`failed` "reward", `correct` 0, `invalid_correct` True), as a training run's eval/accuracy
+    (roll_core.pipelines.rollout.evaluate: `invalid_correct`) counts it; any other row as it is."""
+    if row.get("failed") or is_grade(row["correct"]):
+        return row
+    return {**row, "failed": failure(False, True), "correct": 0.0, "invalid_correct": True}
 
 
 def summarize(
-    rows: Sequence[Mapping[str, Any]], ks: Sequence[int], same_answer: SameAnswer | None = None
+    rows: Sequence[Mapping[str, Any]], ks: Sequence[int], same_answer: SameAnswer | None = None, *, warn: bool = True
 ) -> dict[str, Any]:
     """Every metric of `rows` (sample records: index, sample, correct, reward, length, finish_reason, formatted,
     and `extracted` when the task can extract answers, `failed` when a row was never graded); `same_answer`: the
     task's answer equivalence for maj@n; see the module docstring. pass@k for a k above a problem's sample count is
-    left out for that group."""
+    left out for that group. `warn`: log the rows whose `correct` is no grade (`breakdown`, summing up the same
+    rows again per group, does not)."""
     if not rows:
         raise ValueError("no samples to summarize")
+    rows = [graded_row(r) for r in rows]  # a `correct` that is no grade: a failed row (module docstring)
+    invalid = sum(bool(r.get("invalid_correct")) for r in rows)
+    if invalid and warn:
+        log.warning(
+            "%d of %d samples have a correct that is not 0 or 1 (the reward's grade must be 0/1): counted as "
+            "failed samples (wrong), in `invalid_correct`",
+            invalid,
+            len(rows),
+        )
     problems = _group(rows)
-    _check_grades(problems)
     counts = [(len(s), int(sum(counted_correct(r) > 0 for r in s))) for s in problems.values()]
     n = len(rows)
     per_problem = [sum(counted_correct(r) for r in s) / len(s) for s in problems.values()]
@@ -415,6 +422,7 @@ def summarize(
         "truncation_rate": sum(r["finish_reason"] == "length" for r in rows) / n,
         "format_rate": sum(float(r["formatted"]) for r in rows) / n,
         "failed": sum(bool(r.get("failed")) for r in rows),
+        "invalid_correct": invalid,  # graded samples whose correct was no grade, counted in `failed` (docstring)
     }
     smallest = min(c[0] for c in counts)
     for k in ks:
@@ -452,7 +460,7 @@ def breakdown(
     for r in rows:
         value = r.get(key)
         groups.setdefault(UNKNOWN if value is None else str(value), []).append(r)
-    return {value: summarize(g, ks, same_answer) for value, g in groups.items()}
+    return {value: summarize(g, ks, same_answer, warn=False) for value, g in groups.items()}
 
 
 def memoized(same_answer: SameAnswer) -> SameAnswer:

@@ -16,7 +16,9 @@ Rows the engine aborted on its own (SGLang under memory pressure, vLLM at its pr
 their partial output, as the training run's evaluation resumes them (`resume_aborted`); a row the engine keeps
 refusing (`pipeline.max_idle_aborts` aborts in a row without a token) stays "abort" and is marked
 `failed: "engine"`, a row the reward could not score `failed: "reward"`: both count as wrong, as in eval/accuracy,
-and are counted in the metrics' `failed`.
+and are counted in the metrics' `failed`. So is a row whose `correct` is no grade (not 0 or 1: a reward scored
+without the reward guard giving partial credit 0.5; `failed: "reward"`, `invalid_correct: true`, counted in the
+metrics' `invalid_correct`), as eval/accuracy counts it; roll-eval refused such a run.
 
 Majority vote needs each response's extracted answer: the task's `extract_answer(response) -> str | None`, else
 its reward's (the math reward's: the last non-empty \\boxed{}, plain numbers in one spelling: 1,000 = 1000); an
@@ -50,7 +52,16 @@ from roll_core.cluster.launch import Cluster
 from roll_core.cluster.roles import InferGroup
 from roll_core.config.build import as_dict, build
 from roll_core.config.compose import ConfigError
-from roll_core.eval_metrics import SameAnswer, breakdown, difficulty_of, failure, memoized, rate_stderr, summarize
+from roll_core.eval_metrics import (
+    SameAnswer,
+    breakdown,
+    difficulty_of,
+    failure,
+    graded_row,
+    memoized,
+    rate_stderr,
+    summarize,
+)
 from roll_core.interfaces.agentic import INFO_COUNTERS
 from roll_core.interfaces.inference import GREEDY_TEMPERATURE
 from roll_core.interfaces.tasks import AgenticTask, answer_reader
@@ -411,6 +422,8 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
             "finish_reason": reasons[r],
             "failed": failed,
         }
+        # a `correct` that is no grade (0.5, NaN): a failed row, as a training run's evaluation counts it
+        row = dict(graded_row(row))
         if extract is not None and row["failed"] == "engine":
             row["extracted"] = None  # what a refused row holds is no finished answer: it does not vote
         elif read is not None:

@@ -10,7 +10,8 @@ never read as 15 or 100. A decimal exponent (`1e-5`, `1.5E3`, as Python's str() 
 number, up to `MAX_EXPONENT` (a larger one is a ValueError: its exact value would take too long to compute); not
 after a comma thousands separator. Thousands written with spaces are joined by the math grader's rule
 (roll_envs._digit_groups `join_digit_groups`, so the grader and the environments agree): `5 000`, `1 234 567`,
-`5\\,000`, `-1 234.5` are one number; `3 4`, `1234 567`, `5 00` or `1 234,5` are no plain number (ValueError).
+`5\\,000`, `-1 234.5` are one number; `3 4`, `1234 567`, `5 00`, `1 234,5` or `1 000e5` are no plain number
+(ValueError).
 """
 
 from __future__ import annotations

@@ -51,28 +51,30 @@ spells `</tool_response>` is text, and cannot close the template's tool-response
 - every message of a `continuation`: environment observations and tools' outputs (`observation` /
   `observation_turn`), and the user / tool / system messages an agent program sends between its turns (the
   OpenAI-compatible endpoint, roll_core.agentic.agent_sessions);
+- the environment's first observation (`initial` / `initial_turn`: what its reset() returned, which may echo a
+  task string a user supplied, exactly as untrusted as a step's observation);
 - the content of `tool` messages in `initial_messages` (an agent's rewritten history, an SFT prompt with tool
-  results).
-Trusted, rendered and tokenised as the template does (a special token spelt there is special): the first prompt's
-other messages (the dataset's prompt or the environment's first observation, the agent's own system and user
-messages of its first request), the system prompt and examples, the tool schemas; and the policy's sampled ids,
-which are kept as sampled (never re-tokenised). A conversation that spells no special token in untrusted text
-gets exactly the ids it got before.
+  results), and of the messages whose role is in its `untrusted_roles`.
+Trusted, rendered and tokenised as the template does (a special token spelt there is special): the other messages
+of `initial_messages` (a dataset's prompt, the agent's own system and user messages of its first request), the
+system prompt and examples, the tool schemas, the chat template's own framing; and the policy's sampled ids, which
+are kept as sampled (never re-tokenised). A conversation that spells no special token in untrusted text gets
+exactly the ids it got before.
 
 Pictures. An observation may carry pictures (roll_core.agentic.observation). With a `vision` processor
 (roll_core.multimodal.VisionProcessor, for a vision-language model) `initial_turn` / `observation_turn` render the
 user message as a content list (`as_content`: the pictures where the text's `<image>` markers stand, else first)
 with the processor's chat template, tokenise, and expand each picture's single placeholder into as many placeholder
 tokens as the picture has features; they return the ids and that turn's `MMInputs`. The ids of every turn are
-checked against its pictures (`check_tokens`): a placeholder typed in the first observation's text is an error,
-not a shifted batch (a later observation's is text: untrusted text, above). Without `vision`, an observation with
-pictures is a ValueError (a text model cannot see them). `picture_token_id` is the placeholder token a policy must
-not sample (the rollout stops a turn on it; see roll_core.agentic.rollout).
+checked against its pictures (`check_tokens`): a placeholder the template did not write is an error, not a
+shifted batch (one typed in an observation's text, the first's too, is text: untrusted text, above). Without
+`vision`, an observation with pictures is a ValueError (a text model cannot see them). `picture_token_id` is the
+placeholder token a policy must not sample (the rollout stops a turn on it; see roll_core.agentic.rollout).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from roll_core.agentic.observation import Observation, images_of, text_of
@@ -209,16 +211,22 @@ class TurnTemplate:
         (`ALT_TURN_ENDS`) (put them in SamplingParams)."""
         return [i for i in self._stop_ids if i not in self.eos_ids]
 
-    def initial_messages(self, messages: Sequence[Mapping[str, Any]], tools: list[dict] | None = None) -> list[int]:
+    def initial_messages(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict] | None = None,
+        untrusted_roles: Collection[str] = ("tool",),
+    ) -> list[int]:
         """Ids of a first prompt: the prefix (system prompt, examples), `messages`, and the generation header.
-        A special token spelt in a `tool` message's content is encoded as text (module docstring: untrusted text)."""
+        A special token spelt in the content of a message whose role is in `untrusted_roles` (a `tool` message's,
+        by default) is encoded as text (module docstring: untrusted text)."""
         if not messages:
             raise ValueError("initial_messages needs at least one message")
         if messages[-1].get("role") == "assistant":
             raise ValueError("the last message of a prompt is an assistant turn: the model would start another one")
         given = [dict(m) for m in messages]
-        marked = [self.special_text.mark_message(m) if m.get("role") == "tool" else m for m in given]
-        if marked != given:  # a tool's output spells a special token: it is encoded as text
+        marked = [self.special_text.mark_message(m) if m.get("role") in untrusted_roles else m for m in given]
+        if marked != given:  # untrusted text spells a special token: it is encoded as text
             return self.special_text.encode_after("", self._render(marked, True, tools))
         kwargs = dict(self.template_kwargs)
         if tools:
@@ -269,7 +277,8 @@ class TurnTemplate:
         return self.special_text.encode_after(before, after)
 
     def initial(self, observation: str) -> list[int]:
-        """Ids of the conversation up to the first assistant turn (system prompt, examples, first observation)."""
+        """Ids of the conversation up to the first assistant turn (system prompt, examples, first observation); the
+        observation is untrusted text (module docstring), as a later one is."""
         ids, _ = self.initial_turn(observation)
         return ids
 
@@ -282,9 +291,10 @@ class TurnTemplate:
     # ---- observations with pictures -----------------------------------------------------------------------
     def initial_turn(self, observation: Observation) -> tuple[list[int], Any]:
         """(ids, MMInputs | None) of the conversation up to the first assistant turn (see `initial`); the
-        pictures' placeholders are expanded in the ids."""
+        pictures' placeholders are expanded in the ids. The observation is untrusted text: an environment's reset()
+        may echo a task string nobody vouches for, and spelt special tokens there ended the user's turn."""
         message, images = self._user_message(observation)
-        ids = self.initial_messages([message])
+        ids = self.initial_messages([message], untrusted_roles=("user",))
         if self.vision is not None:
             ids = self.vision.with_bos(ids)  # as the prompts of single-turn runs (VisionProcessor.encode_text)
         return self._with_pictures(ids, images, "the first observation")

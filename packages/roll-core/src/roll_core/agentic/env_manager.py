@@ -190,8 +190,8 @@ class EnvManager:
 
     def bad_observation(self, slot: int, error: Exception) -> EnvFailure:
         """The `env_error` of an observation that passed the call's checks but that the chat template could not
-        encode (a picture placeholder spelt in its text): counted, the slot's environment replaced, as for one
-        the call refused."""
+        encode (pictures for a text model): counted, the slot's environment replaced, as for one the call
+        refused."""
         env = self.envs[slot]
         self._fail(slot, "env_error")
         log.warning("an observation could not be encoded: %s (episode ended, counted)", error)

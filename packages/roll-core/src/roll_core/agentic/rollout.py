@@ -250,7 +250,7 @@ class AgenticRollout:
             return Trajectory(env_seed=seed, group=group, prompt_ids=[], end=exc.kind, error=str(exc))
         try:
             prompt_ids, mm = self.template.initial_turn(obs)
-        except ValueError as exc:  # its text spells a picture placeholder, say: this episode fails, not the rollout
+        except ValueError as exc:  # pictures for a text model, say: this episode fails, not the rollout
             failure = self.envs.bad_observation(slot, exc)
             return Trajectory(env_seed=seed, group=group, prompt_ids=[], end=failure.kind, error=str(failure))
         traj = Trajectory(env_seed=seed, group=group, prompt_ids=prompt_ids, mm=mm)

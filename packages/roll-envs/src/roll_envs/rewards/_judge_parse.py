@@ -1,8 +1,15 @@
 """Parsing a generative judge's reply into a reward (roll_envs.rewards.judge documents the rules); also
 `final_text`, which every built-in reward uses to read a thinking model's answer without its reasoning.
 
-Verdict rules (`VerdictParser`, after dropping the reasoning): a reply whose verdict is ambiguous is an invalid
-verdict (None: counted in `judge_invalid`), never a guess that may be the wrong grade.
+Score rules (`ScoreParser`, after dropping the reasoning): the score is that of the reply's last line when that line
+is only a score (`Score: 8`, `**Final score**: 8/10`, `Rating: [[7]]`: the form the templates ask the judge to end
+with; a judge that revises itself, `Score: 3 ...` then a last line `Score: 8`, scores 8). Else every score the reply
+names must be the same one: scores that differ (`Score: 8 (a score: 3 would be for a wrong unit)`, once read as the
+last, 3) are an invalid verdict, never a guess.
+
+Verdict rules (`VerdictParser`, after dropping the reasoning and the echoes of the template's own questions, below):
+a reply whose verdict is ambiguous is an invalid verdict (None: counted in `judge_invalid`), never a guess that may
+be the wrong grade.
 1. Marked labels (`[[yes]]`, `Verdict: yes`, `Judgement: yes`; not one followed by `?`): the label they all name;
    marked labels that disagree (`Verdict: yes ... the verdict: no`) are invalid (the last one was taken).
 2. Else `Answer: yes` labels, those on a line of their own (`Answer: no`, `**Final answer**: no`) before those
@@ -15,13 +22,20 @@ verdict (None: counted in `judge_invalid`), never a guess that may be the wrong 
 4. Else the only label the reply names, when one of its mentions states it, none is negated (`not correct`: labels
    cannot say "not") and no `?` comes before it (`Incorrect? Yes.` answers the judge's own question, which may be
    the opposite of the template's).
+An echoed question: a question of the reply (from its sentence's start to its `?`) that is, up to case, spaces and
+markup, a question the template itself asks (JudgeSpec passes them: `questions`), e.g. `Is the response correct?
+Yes.` under a template asking "Is the response correct? ...". Its answer answers the template, so the echo is
+dropped before the rules run (it was an invalid verdict: a `?` before the label); a question of the judge's own
+(`Is it wrong? No.`) still is no verdict, and an echo answered twice differently (`... correct? Yes. ... correct?
+No.`) is a label taken back: invalid.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+import string
+from collections.abc import Iterable, Mapping
 
 from roll_core.errors import ConfigError
 
@@ -55,7 +69,8 @@ def final_text(reply: str) -> str | None:
 
 
 class ScoreParser:
-    """`score` mode: the last number `pattern` captures, in [lo, hi], mapped to [0, 1]."""
+    """`score` mode: the judge's number `pattern` captures, in [lo, hi], mapped to [0, 1] (module docstring: "Score
+    rules")."""
 
     def __init__(self, lo: float, hi: float, pattern: str | None = None) -> None:
         if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
@@ -73,14 +88,21 @@ class ScoreParser:
 
     def __call__(self, reply: str) -> float | None:
         """The reward in [0, 1], or None for an invalid verdict (no match, not a number, out of range, a scale
-        other than score_range's high)."""
+        other than score_range's high, scores that disagree without a final score line)."""
         text = final_text(reply)
         if text is None:
             return None
         matches = list(self.pattern.finditer(text))
         if not matches:
             return None
-        raw = next((g for g in matches[-1].groups() if g is not None), None)
+        if _closes_reply(text, matches[-1]):  # the final line the templates ask for ("end with ... Score: N")
+            return self._value(text, matches[-1])
+        values = {self._value(text, m) for m in matches}
+        return values.pop() if len(values) == 1 else None
+
+    def _value(self, text: str, m: re.Match[str]) -> float | None:
+        """The reward of one score match, None when it is no valid score."""
+        raw = next((g for g in m.groups() if g is not None), None)
         if raw is not None and raw.count(",") == 1 and "." not in raw:  # a decimal comma: 8,5 is 8.5
             raw = raw.replace(",", ".")
         try:
@@ -89,10 +111,23 @@ class ScoreParser:
             return None
         if not (math.isfinite(x) and self.lo <= x <= self.hi):
             return None
-        scale = _SCALE.match(text, matches[-1].end()) if self.check_scale else None
+        scale = _SCALE.match(text, m.end()) if self.check_scale else None
         if scale is not None and float(scale.group(1)) != self.hi:
             return None  # `Score: 4/5` on a 0-10 scale is not 4 of 10 (it was read as 0.4)
         return (x - self.lo) / (self.hi - self.lo)
+
+
+#: What may end a final score line after the score (and its scale): markup, `]]`, a full stop.
+_LINE_END = re.compile(r"[\s*_`\].!]*\Z")
+#: Words a final score line may open with (`**Final score**: 8`, `Overall rating: [[7]]`).
+_SCORE_LINE_HEADS = ("", "final", "overall", "final overall", "total")
+
+
+def _closes_reply(text: str, m: re.Match[str]) -> bool:
+    """Whether the score match `m` is the reply's last line, alone (markup, a scale and a full stop aside)."""
+    head = text[text.rfind("\n", 0, m.start()) + 1 : m.start()].strip(_MARKUP).lower()
+    scale = _SCALE.match(text, m.end())
+    return head in _SCORE_LINE_HEADS and _LINE_END.match(text, scale.end() if scale else m.end()) is not None
 
 
 #: What follows a label that states it (`yes.`, `**No**`, `correct,`, `no (`, `yes - because`, the end): a label
@@ -108,7 +143,9 @@ class VerdictParser:
     """`verdict` mode: the judge's label (roll_envs.rewards.judge's docstring) mapped to its reward. An ambiguous
     reply is an invalid verdict, never a guess (module docstring: "Verdict rules")."""
 
-    def __init__(self, labels: Mapping[str, float]) -> None:
+    def __init__(self, labels: Mapping[str, float], questions: Iterable[str] = ()) -> None:
+        """`labels`: verdict label -> reward; `questions`: the template's own questions, whose echoes in a reply are
+        dropped (module docstring: "An echoed question")."""
         if not labels:
             raise ConfigError("env.reward.labels must map at least one verdict label to a reward")
         self.values: dict[str, float] = {}
@@ -127,12 +164,15 @@ class VerdictParser:
         self.marked = re.compile(rf"(?i)\[\[\s*({alts})\s*\]\]|\b(?:verdict|judgement|judgment){after}")
         self.answered = re.compile(rf"(?i)\banswer{after}")
         self.word = re.compile(rf"(?i)(?<!\w)({alts})(?!\w)")
+        self.questions = frozenset(q for q in map(_normalised, questions) if q)
 
     def __call__(self, reply: str) -> float | None:
         """The label's reward, or None for an invalid verdict (module docstring: "Verdict rules")."""
         text = final_text(reply)
         if text is None:
             return None
+        if self.questions:
+            text = self._without_echoes(text)
         marked = [m for m in self.marked.finditer(text) if not _ASKED.match(text, m.end())]
         if marked:
             return self._agreed(marked)
@@ -159,6 +199,13 @@ class VerdictParser:
             return None
         return self._agreed(found)  # the only label named ("so, no."); "correct or incorrect." names two
 
+    def _without_echoes(self, text: str) -> str:
+        """`text` with its echoes of the template's questions blanked out (same length: positions keep)."""
+        for m in reversed(list(_QUESTION.finditer(text))):
+            if _normalised(m.group()) in self.questions:
+                text = text[: m.start()] + " " * (m.end() - m.start()) + text[m.end() :]
+        return text
+
     def _agreed(self, matches: list[re.Match[str]]) -> float | None:
         """The reward of the one label `matches` name; None when they name several."""
         named = {next(g for g in m.groups() if g is not None).lower() for m in matches}
@@ -168,6 +215,22 @@ class VerdictParser:
     def _negated(text: str, m: re.Match[str]) -> bool:
         """Whether a negation (`not`, `never`, `n't`) stands right before the label `m`."""
         return _NEGATED.search(text, max(0, m.start() - 16), m.start()) is not None
+
+
+#: A question: from its sentence's start (after `.`, `!`, `?`, `:`, a line break or a bracket) to its `?`.
+_QUESTION = re.compile(r"(?<![^.!?:\n\[\]()])[^.!?:\n\[\]()]+\?")  # starts only there: linear time
+
+
+def questions_of(text: str, template: bool = True) -> list[str]:
+    """The questions `text` asks: a template's own text (`template`: not the values of its fields, `{prompt}` may
+    ask one) or a system prompt (sent as it is)."""
+    literal = "\n".join(part for part, *_ in string.Formatter().parse(text)) if template else text
+    return [m.group() for m in _QUESTION.finditer(literal)]
+
+
+def _normalised(question: str) -> str:
+    """A question up to case, spaces and markup: `**Is the response  correct?**` is `is the response correct?`."""
+    return " ".join(re.sub(r"[*_`\"'#>]", " ", question).lower().split()).rstrip(" ?") + "?" if question else ""
 
 
 def _own_line(text: str, at: int) -> bool:

@@ -11,6 +11,7 @@ Contract:
 - `JudgeSpec.render(...)`: the system and user messages for one row; a built-in template's field markers in a
   field's text are written in parentheses (roll_envs.markers.defang); each judged field goes through `as_text` (a
   backend's `judged_text`) and the fields it changed are returned; a KeyError names a metadata key the row lacks.
+- `JudgeSpec.skeleton(field)`: the messages with every field written as `field` (the judge's own text only).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from roll_core.errors import ConfigError
 from roll_envs.markers import defang
-from roll_envs.rewards._judge_parse import ScoreParser, VerdictParser
+from roll_envs.rewards._judge_parse import ScoreParser, VerdictParser, questions_of
 
 MODES = ("score", "verdict")
 #: Fields a template may name.
@@ -167,7 +168,9 @@ class JudgeSpec:
             parser: ScoreParser | VerdictParser = ScoreParser(float(rng[0]), float(rng[1]), score_pattern)
         else:
             chosen = labels or (base.labels if base else None) or {"yes": 1.0, "no": 0.0}
-            parser = VerdictParser(chosen)
+            system = system_prompt if system_prompt is not None else (base.system if base else None)
+            # A judge that echoes the template's question before its answer answers the template (_judge_parse).
+            parser = VerdictParser(chosen, questions_of(user) + questions_of(system or "", template=False))
         threshold = correct_threshold
         if threshold is None and base is not None and base.mode == mode:
             threshold = base.correct_threshold
@@ -217,6 +220,15 @@ class JudgeSpec:
         )
         head = [{"role": "system", "content": self.system}] if self.system else []
         return [*head, {"role": "user", "content": user}], frozenset(changed)
+
+    def skeleton(self, field: str) -> list[dict[str, str]]:
+        """The judge's chat messages with each field the template names written as `field` (a sentinel): the
+        judge's own text around the judged fields (system prompt, the template's text), where a backend reads the
+        framing a judged field must not spell (judge_backends.EngineBackend)."""
+        parsed = string.Formatter().parse(self.user)  # (its literal text has `{{` / `}}` as single braces)
+        user = "".join(text + (field if name is not None else "") for text, name, _, _ in parsed)
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return [*head, {"role": "user", "content": user}]
 
     def _defang(self, value: str) -> str:
         """`value` with the template's field markers (any case) in parentheses (roll_envs.markers.defang)."""

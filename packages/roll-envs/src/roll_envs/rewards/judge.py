@@ -25,7 +25,9 @@ tokenises) neutralises them with a U+200B (judge_backends: `judged_text`). `judg
 so changed in the rows sent.
 
 Parsing the judge's reply (after dropping a `<think>...</think>` block: only the final text counts):
-- `score` mode: the last match of `score_pattern` (default: `Score: 7`, `Rating: 7.5`, `[[7]]`) must lie in
+- `score` mode: the match of `score_pattern` (default: `Score: 7`, `Rating: 7.5`, `[[7]]`) on the reply's last line
+  when that line is only a score, else the one score all its matches agree on (scores that differ are an invalid
+  verdict, never the last one: roll_envs.rewards._judge_parse's "Score rules"), must lie in
   `score_range` [lo, hi]; the reward is (x - lo) / (hi - lo), in [0, 1]. A decimal comma between digits is a
   decimal point (`Score: 8,5` is 8.5, never 8); a list such as `8,9,10` is not a decimal. A number that runs on
   (`1,000`, `3,14159`, `1e1`, `6½`, a range `7-8`) and, with the default pattern, a score on another scale than
@@ -35,9 +37,11 @@ Parsing the judge's reply (after dropping a `<think>...</think>` block: only the
   (`[[yes]]`, `Verdict: yes`, `**Verdict**: yes`, `Judgement: yes`); else `Answer: yes` (weaker: a judge also
   writes "the response's answer: yes" while explaining, after its verdict); else the label the reply opens with;
   else the only label the reply names, unless a negation precedes one of its labels (`not correct`, `isn't yes`:
-  labels cannot say "not"). An ambiguous reply is an invalid verdict, never a guess: marked labels that disagree,
-  a leading label taken back (`Yes, wait, no.`), a label in a question (`Correct? No.`) or used as a word (`no
-  doubt`) (roll_envs.rewards._judge_parse's "Verdict rules"). Labels match whole words, case-insensitively.
+  labels cannot say "not"). A question the template asks, echoed by the judge before its verdict (`Is the response
+  correct? Yes.`), is dropped first; a question of the judge's own before a label leaves no verdict. An ambiguous
+  reply is an invalid verdict, never a guess: marked labels that disagree, a leading label taken back (`Yes, wait,
+  no.`), a label in a question (`Correct? No.`) or used as a word (`no doubt`) (roll_envs.rewards._judge_parse's
+  "Verdict rules"). Labels match whole words, case-insensitively.
 A reply that does not parse (or a score out of range) is an invalid verdict: counted in `judge_invalid`, scored
 `invalid_score`, correct 0. `correct` is 1 when the reward >= `correct_threshold` (built-in templates have one:
 correctness 0.7, verdict 1; null on your own template: correct is always 0). In score mode the threshold is on the
@@ -131,7 +135,8 @@ class JudgeRewardConfig:
     mode: str | None = None
     # score mode: [low, high] of the judge's scale, mapped to [0, 1]; null: the template's (else [0, 10]).
     score_range: list[float] | None = None
-    # score mode: regex whose first matching group is the score (the last match counts); null: Score: N or [[N]].
+    # score mode: regex whose first matching group is the score (a last line that is only a score counts, else
+    # all matches must agree); null: Score: N or [[N]].
     score_pattern: str | None = None
     # verdict mode: label -> reward (add each: +env.reward.labels.good=1); empty: the template's (else yes 1, no 0).
     labels: dict[str, float] = field(default_factory=dict)
@@ -284,6 +289,7 @@ class JudgeReward(Reward):
                 temperature=temperature,
                 timeout_s=timeout_s,
                 chat_template_kwargs=dict(chat_template_kwargs or {}),
+                framing_messages=self.spec.skeleton(jb.FIELD),
             )
         self._logged: set[str] = set()
 

@@ -33,7 +33,11 @@ special. Called by the reward on each field before the template is filled (roll_
   encoded here, so a judged field stays text exactly: `judged_text` marks the judge tokenizer's special-token
   spellings (roll_core.agentic.turn_text.SpecialText, loading the tokenizer on the first call, not the engine)
   and the rendered prompt is encoded with those spellings as text ids, the template's framing as special ids (a
-  prompt that spells none gets the ids `apply_chat_template` gives).
+  prompt that spells none gets the ids `apply_chat_template` gives). The framing includes the added tokens not
+  marked special that the judge's own text holds around the judged fields (`framing_messages`: the judge's
+  messages with each field written as `FIELD`, rendered with the judge model's chat template: the chat template's
+  framing, e.g. a non-thinking header's `<think></think>`, and the judge template's and system prompt's own added
+  tokens; turn_text.framing_tokens): a judged field spelling one gets its text ids, the judge's own text its id.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from roll_core.agentic.turn_text import SpecialText
+from roll_core.agentic.turn_text import SpecialText, framing_tokens
 from roll_core.errors import ConfigError
 from roll_core.interfaces.runtime import check_engine_kwargs
 from roll_envs.rewards._special_spellings import SpecialSpellings
@@ -56,6 +60,8 @@ Messages = list[dict[str, str]]
 
 #: Longest wait a Retry-After header may ask for.
 MAX_RETRY_AFTER_S = 60.0
+#: Where a judged field stands in `EngineBackend`'s `framing_messages` (no judge writes it).
+FIELD = "\u2063ROLL-JUDGED\u2063"
 
 
 @dataclass(frozen=True)
@@ -253,6 +259,7 @@ class EngineBackend:
         temperature: float,
         timeout_s: float,
         chat_template_kwargs: Mapping[str, Any],
+        framing_messages: Sequence[Mapping[str, str]] = ({"role": "user", "content": FIELD},),
     ) -> None:
         from roll_core import registry
 
@@ -284,6 +291,7 @@ class EngineBackend:
             raise ConfigError(f"env.reward.engine: {exc}") from None
         self.model, self.timeout_s = model, timeout_s
         self.chat_template_kwargs = dict(chat_template_kwargs)
+        self.framing_messages = [dict(m) for m in framing_messages]
         self.params: Any = None  # SamplingParams, made with the engine (the interfaces import torch)
         self.temperature, self.max_tokens = temperature, max_tokens
         self._engine: Any = None
@@ -330,8 +338,22 @@ class EngineBackend:
             )
             if not getattr(tok, "chat_template", None):
                 raise ConfigError(f"env.reward.model={self.model}: the judge model's tokenizer has no chat template")
-            self._tokenizer, self._special = tok, SpecialText(tok)
+            self._tokenizer, self._special = tok, SpecialText(tok, framing_tokens(tok, self._framing_probe(tok)))
         return self._special
+
+    def _framing_probe(self, tok: Any) -> list[str]:
+        """The text the judge's chat template and its own messages write around the judged fields (module
+        docstring); a ConfigError when the chat template cannot render the judge's messages."""
+        try:
+            rendered = tok.apply_chat_template(
+                self.framing_messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+            )
+        except Exception as exc:  # jinja's raise_exception, TemplateError ...: every row would fail the same way
+            raise ConfigError(
+                f"env.reward.model={self.model}: the judge model's chat template cannot render the judge's messages "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        return rendered.split(FIELD)
 
     def _start(self) -> None:
         from roll_core.interfaces import SamplingParams

@@ -33,12 +33,13 @@ Scoring (per response):
   grouping is certain (roll_envs.rewards._digit_groups: a first group of one to three digits, then groups of three,
   and no other number in the run): in the box, in the truth, in what reaches math-verify (`x = 5 000` was 5 times
   000 to it, right against 0) and in `last_number` alike (`the answer is 5 000` stated 000 there, `5{,}000` too);
-  `3 4`, `1234 567` and `10 20 300` are numbers side by side, never merged. A unicode minus (U+2212) is a minus
-  sign. (A product of variables
-  written with a space, `3 abc`, therefore equals a truth of plain `3`; against a truth `3abc` it is verified
-  symbolically as before.) A percent (`%`, `\\%`, the word `percent`) equals its number or its
-  hundredth (`75\\%` = `75` = `0.75`, as in both conventions; math-verify graded `75%` right against `0.75` but
-  `75\\%` wrong, and `7.5%` wrong against `7.5`); two percents compare as numbers. Anything with more in it
+  `3 4`, `1234 567` and `10 20 300` are numbers side by side, never merged; a grouping with an exponent
+  (`1 000e5`, as `1,000e5`) is no number: a box holding one is wrong, a truth not judged, no last number. A
+  unicode minus (U+2212) is a minus sign. (A product of variables written with a space, `3 abc`, therefore equals
+  a truth of plain `3`; against a truth `3abc` it is verified symbolically as before.) A percent (`%`, `\\%`, the
+  word `percent`) equals its number or its hundredth (`75\\%` = `75` = `0.75`, as in both conventions; math-verify
+  graded `75%` right against `0.75` but `75\\%` wrong, and `7.5%` wrong against `7.5`); two percents compare as
+  numbers. Anything with more in it
   (`1000 dollars and 5`) is no quantity and is verified symbolically, so a unit never hides a second number. A
   quantity with an `e` exponent verified symbolically against a non-quantity reaches math-verify as its plain
   decimal (never as `e`).
@@ -103,7 +104,7 @@ from fractions import Fraction
 from roll_core.isolation import CallTimeout, ChildError, ForkedWorker
 from roll_envs.boxed import extract_boxed
 from roll_envs.numeric import MAX_EXPONENT, fractions_equal, parse_number
-from roll_envs.rewards._digit_groups import join_digit_groups
+from roll_envs.rewards._digit_groups import grouped_exponents, join_digit_groups
 from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.rewards.judge import final_text
 
@@ -146,6 +147,8 @@ def last_number(text: str) -> str | None:
     for m in reversed(list(_STATED_NUMBER.finditer(text))):
         before, after = text[max(0, m.start() - 1) : m.start()], text[m.end() : m.end() + 2]
         if not (_PART.search(before) or _PART_AFTER.match(after)):
+            if any(s <= m.start() < e for s, e in grouped_exponents(text)):
+                return None  # `1 000e5`: no one number (module docstring), never its `000e5`
             if "," in m["int"] and not _THOUSANDS.fullmatch(m["int"]):
                 return None
             number = m.group().replace(",", "")
@@ -488,6 +491,10 @@ class MathReward(Reward):
         got, truth = quantity(boxed), quantity(answer)
         if got is not None and truth is not None:
             return same_quantity(got, truth)  # exact, units and currency aside (module docstring)
+        if truth is None and grouped_exponents(answer):  # `1 000e5`: math-verify reads 000e5 (module docstring)
+            return self._bad_truth(f"the ground truth {answer[:80]!r} holds digit groups with an exponent", counters)
+        if got is None and grouped_exponents(boxed):
+            return False
         boxed, answer = _for_verify(boxed, got), _for_verify(answer, truth)
         plain = join_digit_groups(boxed.strip())
         if _NUMBER.fullmatch(plain) and _NUMBER.fullmatch(answer.strip()):  # too long for a quantity

@@ -4,11 +4,16 @@ its rows with: env=file, instruct, code, openai_agent).
 pandas has no null in an integer column: it makes the column float64 (3 becomes 3.0, a null NaN), and the Parquet,
 JSON lines and `datasets` folders written from such a frame hold floats. The answer column reads such a value as
 the integer it stands for ("3", dataset's `_plain_number`); the row's other columns (its metadata, which rewards,
-environments and judge templates read) held 3.0. A top-level column is read as integers when it is one such column:
-a floating-point column (in a Parquet file or a `datasets` folder: by its Arrow type; in JSON: every value in it a
+environments and judge templates read) held 3.0. A column is read as integers when it is one such column: a
+floating-point column (in a Parquet file or a `datasets` folder: by its Arrow type; in JSON: every value in it a
 number) whose values are all whole numbers or null, with one null (None or NaN) at least: each whole value becomes
 its int and each NaN None. A float column stays float: one holding a non-whole value (0.5) or infinity, text, or no
-null (`[1.0, 2.0]`: written as floats, not made floats by a null). Nested values are left as they are.
+null (`[1.0, 2.0]`: written as floats, not made floats by a null).
+
+A field of a struct column (a nested object: `{"meta": {"id": 3}}`, its path `meta.id`) is a column of its own, by
+the same rule, at any depth of structs: the dicts pandas builds from a frame with such a column (`{"id": 3.0}`,
+`{"id": nan}`) are written as a struct of floats, and read as 3.0 and NaN before. A path whose value is an object in
+one row and a number in another is no column. Values in lists and maps are left as they are.
 """
 
 from __future__ import annotations
@@ -20,29 +25,54 @@ from typing import Any
 #: A column's state while scanning: it has a null, it has a whole float, it cannot be an integer column.
 _NULL, _WHOLE, _NOT = 1, 2, 4
 
+#: A column: the keys from the row down to the field (`("level",)`, `("meta", "id")`).
+Path = tuple[str, ...]
 
-def restore_int_columns(rows: list[tuple[int, Any]], floating: Iterable[str] | None = None) -> list[tuple[int, Any]]:
+
+def restore_int_columns(
+    rows: list[tuple[int, Any]], floating: Iterable[str | Path] | None = None
+) -> list[tuple[int, Any]]:
     """`rows` ((row number, row) pairs; rows that are no dict are skipped) with each integer column with nulls
-    (module docstring) as ints and None, changed in place. `floating`: the columns whose Arrow type is floating
-    point (Parquet, `datasets`); None for JSON rows, whose columns are judged by their values."""
-    allowed = None if floating is None else set(floating)
+    (module docstring), top-level or a struct's field, as ints and None, changed in place. `floating`: the columns
+    whose Arrow type is floating point (Parquet, `datasets`: a name, or a struct field's path); None for JSON rows,
+    whose columns are judged by their values."""
+    allowed = None if floating is None else {(c,) if isinstance(c, str) else tuple(c) for c in floating}
     if allowed is not None and not allowed:
         return rows
-    state: dict[str, int] = {}
-    for _, row in rows:
-        if not isinstance(row, dict):
-            continue
-        for key, value in row.items():
-            if allowed is not None and key not in allowed:
-                continue
-            state[key] = state.get(key, 0) | _kind(value)
-    columns = [k for k, s in state.items() if s == _NULL | _WHOLE]
+    inner = None if allowed is None else {p[:i] for p in allowed for i in range(1, len(p))}
+    state: dict[Path, int] = {}
     for _, row in rows:
         if isinstance(row, dict):
-            for key in columns:
-                if key in row:
-                    row[key] = _as_int(row[key])
+            _scan(row, (), allowed, inner, state)
+    columns = [p for p, s in state.items() if s == _NULL | _WHOLE]
+    for _, row in rows:
+        if isinstance(row, dict):
+            for path in columns:
+                _restore(row, path)
     return rows
+
+
+def _scan(
+    obj: dict[str, Any], at: Path, allowed: set[Path] | None, inner: set[Path] | None, state: dict[Path, int]
+) -> None:
+    """Fold what each field of `obj` (at path `at`) says of its column into `state`, into nested dicts too."""
+    for key, value in obj.items():
+        path = (*at, key)
+        if isinstance(value, dict):
+            if inner is None or path in inner:
+                _scan(value, path, allowed, inner, state)
+            state[path] = state.get(path, 0) | _NOT  # an object here: this path is no number column
+        elif allowed is None or path in allowed:
+            state[path] = state.get(path, 0) | _kind(value)
+
+
+def _restore(row: dict[str, Any], path: Path) -> None:
+    """The value at `path` in `row` (when the row has it) as an int or None."""
+    obj: Any = row
+    for key in path[:-1]:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    if isinstance(obj, dict) and path[-1] in obj:
+        obj[path[-1]] = _as_int(obj[path[-1]])
 
 
 def _kind(value: Any) -> int:

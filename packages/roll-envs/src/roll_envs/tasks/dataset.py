@@ -33,8 +33,9 @@ dots reads a nested column (`reward_model.ground_truth`). A row's `domain` colum
 or empty one is no domain (the default's), another type makes the row bad. A leading UTF-8 byte order mark (files
 saved by Windows editors) is ignored. A number answer is written in plain decimal, a whole one as an integer (3.0,
 what an integer column with a null in it holds in pandas, Arrow and the files written from them, is "3"; its null
-rows are skipped and counted as missing answers); the other columns of such an integer column with nulls read as
-ints and None, not 3.0 and NaN (roll_envs.tasks._int_columns), in the rows every file task reads. A float32 (or
+rows are skipped and counted as missing answers); the other columns of such an integer column with nulls, and the
+fields of struct columns that are one (`{"meta": {"id": 3}}`), read as ints and None, not 3.0 and NaN
+(roll_envs.tasks._int_columns), in the rows every file task reads. A float32 (or
 float16) value reads as the decimals written (0.1, not 0.10000000149011612), in a flat column or nested in lists,
 structs and maps (a struct answer, metadata columns).
 """
@@ -134,11 +135,17 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
 _NARROW_FLOATS = {"float": "<f", "halffloat": "<e"}
 
 
-def _float_columns(schema: Any) -> list[str]:
-    """The top-level floating-point columns of an Arrow schema (`restore_int_columns` reads them)."""
+def _float_columns(schema: Any) -> list[tuple[str, ...]]:
+    """The floating-point columns of an Arrow schema, top-level or a field of structs (`("meta", "id")`), as
+    `restore_int_columns` reads them (values in lists and maps are not columns)."""
     import pyarrow.types as pat
 
-    return [f.name for f in schema if pat.is_floating(f.type)]
+    def floating(path: tuple[str, ...], t: Any) -> list[tuple[str, ...]]:
+        if pat.is_struct(t):
+            return [p for i in range(t.num_fields) for p in floating((*path, t.field(i).name), t.field(i).type)]
+        return [path] if pat.is_floating(t) else []
+
+    return [p for f in schema for p in floating((f.name,), f.type)]
 
 
 def _children(t: Any) -> list[Any]:
