@@ -14,7 +14,9 @@ Contract: `prepare_study_storage(sweeper)` (run by `SweepSummaryCallback.on_mult
 the sweeper) does, for an Optuna sweeper with a SQL storage URL, what Optuna 2.x's storage set-up does (create the
 tables and the version row) and records the alembic revision that Optuna would have recorded (the head revision,
 or the base one for a database from before alembic), all in one transaction it commits. Optuna then finds its schema
-recorded and opens the study as under SQLAlchemy 1.x: `load_if_exists` continues it. Nothing is done for another
+recorded and opens the study as under SQLAlchemy 1.x: `load_if_exists` continues it (Optuna refuses one whose
+direction differs with a ValueError). A storage without `study_name` gets one warning: Optuna then creates a new study
+under a random name on every sweep, continuing none. Nothing is done for another
 sweeper, no storage, a non-string storage, Optuna >= 3 or SQLAlchemy < 2 (those set themselves up), or a database
 whose revision is already recorded (Optuna's own check then judges it, e.g. one from a newer Optuna). Everything
 else Optuna 2.10 does with its storage works under SQLAlchemy 2 (trials, parameters, user attributes, intermediate
@@ -146,7 +148,17 @@ def prepare_study_storage(sweeper: Any) -> str | None:
     storage one Optuna 2.x can open under SQLAlchemy 2 (`stamp_study_storage`). Returns the revision recorded, None
     when nothing was needed."""
     url = storage_url(sweeper)
-    if url is None or not needs_stamp():
+    if url is None:
+        return None
+    if not sweeper.get("study_name"):
+        # Optuna's load_if_exists needs a name: without one every sweep silently made a new "no-name-<uuid>" study
+        # in the storage, and a sweep meant to continue (or share) a study started from nothing.
+        log.warning(
+            "hydra.sweeper.storage=%s without hydra.sweeper.study_name: this sweep creates a new study named "
+            "no-name-<uuid> and continues none; set hydra.sweeper.study_name to continue or share a study",
+            url,
+        )
+    if not needs_stamp():
         return None
     return stamp_study_storage(url)
 

@@ -10,7 +10,8 @@ Contract of the command line (`bwrap_argv`):
   Writable: only `/tmp`, a private, size-capped tmpfs and the working folder, holding the read-only program
   `/tmp/main.py`, and `/dev/shm`, another private, size-capped tmpfs (POSIX semaphores and shared memory live there:
   `multiprocessing` locks, queues and pools need it). A private `/proc` (this PID namespace only) and a minimal,
-  read-only `/dev` (`_dev_args`: null, zero, full, random, urandom and the fd links; no pseudo-terminals). Nothing
+  read-only `/dev` (`_dev_args`: null, zero, full, random, urandom and the fd links; no pseudo-terminals); `/sys`
+  holds only `devices/system/cpu/online`, the run's CPU count, not the host's (`cpus_online_fd`). Nothing
   else of the host exists inside: not `/home`, `/root`, `/work`, the host's `/tmp`, the rest of `/etc`, nor run
   outputs.
 - Identity: without root, a new user namespace (`--unshare-user`, nested ones disabled), no capabilities, and
@@ -208,6 +209,7 @@ def bwrap_argv(
     status_fd: int,
     extra_ro_binds: tuple[str, ...] = (),
     seccomp_fd: int | None = None,
+    cpus_online_fd: int | None = None,
 ) -> list[str]:
     """The bwrap prefix of one run: namespaces, mounts and environment; the command comes after it.
 
@@ -221,6 +223,10 @@ def bwrap_argv(
         status_fd: a writable fd for bwrap's JSON status (the namespace's init pid, for killing the run).
         extra_ro_binds: more host folders to expose read-only at the same paths.
         seccomp_fd: a readable fd holding a compiled seccomp filter (`seccomp.filter_program()`), or None.
+        cpus_online_fd: a readable fd holding the run's CPU list ("0-3\n"), shown as the only file of `/sys`,
+            `/sys/devices/system/cpu/online`: glibc's `sysconf(_SC_NPROCESSORS_ONLN)` reads it first (then the
+            host-wide /proc/stat), so `os.cpu_count()` of every interpreter in the run (a `spawn` pool's workers,
+            a subprocess; Python < 3.13 ignores the affinity) says the run's count. None: no /sys.
     """
     args = [bwrap, "--die-with-parent", "--new-session", "--json-status-fd", str(status_fd)]
     if as_root:
@@ -242,6 +248,8 @@ def bwrap_argv(
     made: set[str] = set()
     args += _folder_binds(_outermost(list(interp.folders) + [os.path.realpath(p) for p in extra_ro_binds]), made)
     args += ["--perms", "0444", "--ro-bind-data", str(code_fd), "/tmp/main.py"]
+    if cpus_online_fd is not None:
+        args += ["--perms", "0444", "--ro-bind-data", str(cpus_online_fd), "/sys/devices/system/cpu/online"]
     # Last: freeze the sandbox's own root and /dev (writable tmpfs there would be unbounded memory).
     args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
     if seccomp_fd is not None:  # installed by bwrap right before it executes the program

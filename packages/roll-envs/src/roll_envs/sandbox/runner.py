@@ -35,10 +35,12 @@ Contract:
   OPENBLAS_NUM_THREADS and MKL_NUM_THREADS say that count (`_child.py`), so `multiprocessing.Pool()`,
   `ProcessPoolExecutor()`, joblib and BLAS/OpenMP/torch thread pools size themselves to it, not to the host's
   cores, and fit in `max_processes` (on a 64-core host a correct program ended as runtime_error: its pool's
-  processes and threads past max_processes were refused). Not covered: a fresh interpreter the program starts
-  itself (the `spawn`/`forkserver` start methods' workers, `subprocess`) is pinned as well, but its
-  `os.cpu_count()` is the host's before Python 3.13; pools sized in the program's own process, the usual case, are
-  right whatever the start method.
+  processes and threads past max_processes were refused). A fresh interpreter the program starts itself (the
+  `spawn`/`forkserver` start methods' workers, `subprocess`) is pinned as well and inherits the variables; under
+  bubblewrap its `os.cpu_count()` says the count too (the sandbox's only /sys file,
+  `/sys/devices/system/cpu/online`, which glibc reads: bwrap.py). Not covered: such an interpreter in an
+  unsandboxed run (or one not linked to glibc) sees the host's count before Python 3.13 (it starts with -I, which
+  ignores PYTHON_CPU_COUNT); pools sized in the program's own process, the usual case, are right in both modes.
 """
 
 from __future__ import annotations
@@ -197,6 +199,10 @@ class PythonSandbox:
         seccomp_fd = _memfd_bytes("seccomp", bpf) if bpf is not None else None
         if seccomp_fd is not None:
             owned.append(seccomp_fd)
+        # The CPU count the child pins the run to (`_child.pin_cpus`), for interpreters it does not patch.
+        online = None if self.unsandboxed else _memfd("cpus", f"0-{run_cpus(limits) - 1}\n")
+        if online is not None:
+            owned.append(online)
         try:
             if self.unsandboxed:
                 owned = [fd for fd in owned if fd != ready_w]  # run_captured closes what it hands over
@@ -213,8 +219,9 @@ class PythonSandbox:
                 status_fd=status_w,
                 extra_ro_binds=self.extra_ro_binds,
                 seccomp_fd=seccomp_fd,
+                cpus_online_fd=online,
             )
-            handed = (code_fd, ready_w, status_w) + ((seccomp_fd,) if seccomp_fd is not None else ())
+            handed = (code_fd, ready_w, status_w, *(fd for fd in (seccomp_fd, online) if fd is not None))
             owned = [fd for fd in owned if fd not in handed]
             argv = [*argv, *self._python_argv("/tmp/main.py", ready_w, uid, None, limits)]
             return self._captured(
@@ -267,6 +274,11 @@ class PythonSandbox:
                 cwd=work,
                 env=env,
             )
+
+
+def run_cpus(limits: SandboxLimits) -> int:
+    """CPUs a run is pinned to: `limits.program_cpus`, at most those this process may use (as `_child.pin_cpus`)."""
+    return min(limits.program_cpus, len(os.sched_getaffinity(0)))
 
 
 #: What `make_sandbox` logs when it falls back (one %s: why no sandbox works).
