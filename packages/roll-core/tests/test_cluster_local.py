@@ -332,3 +332,24 @@ def test_a_local_call_reaches_every_rank_when_one_raises_and_names_the_ranks_tha
     assert err.value.__notes__ == ["actor_infer.abort() raised on rank(s) 2 of the 2 called; rank 2's error raised"]
     ok = WorkerGroup(Aborter, 2, "local", failing=(), log=[])
     assert ok.call(Aborter.abort, "fine") == [0, 1]
+
+
+class RestartableDoublers(WorkerGroup[Doubler]):
+    worker_cls = Doubler
+    restartable = True
+
+
+def test_an_explicit_restart_the_group_cannot_do_raises_a_clear_error_and_keeps_the_workers() -> None:
+    """`restart()` on the local backend failed with an AttributeError from deep in the actor spawn; past
+    `max_restarts` it restarted anyway (tested on Ray: test_group_ray_calls). Now both refuse up front, naming why."""
+    group = RestartableDoublers(Doubler, 2, "local", max_restarts=3)
+    workers = list(group.workers)
+    with pytest.raises(RuntimeError, match=r"cannot restart rank\(s\) \[0\] \(asked\).*backend=local"):
+        group.restart([0], "asked")
+    with pytest.raises(RuntimeError, match=r"0 restart\(s\) already, cluster.max_restarts=0"):
+        WorkerGroup(Doubler, 1, "local").restart([0])  # not restartable: no budget at all
+    for bad in ([], [2], [0, 0], [-1]):
+        with pytest.raises(ValueError, match=r"restart needs distinct ranks in \[0, 2\)"):
+            group.restart(bad)
+    assert group.workers == workers and group.restarts == 0
+    assert group.call(Doubler.who) == 0

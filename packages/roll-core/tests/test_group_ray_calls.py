@@ -237,6 +237,24 @@ def test_a_method_raising_a_ray_actor_error_of_its_own_fails_the_call_and_restar
         group.shutdown()
 
 
+def test_an_explicit_restart_spends_the_fault_budget_and_past_it_raises_restarting_nothing(
+    ray_session: Any, tmp_path: Path
+) -> None:
+    """`group.restart()` (a health check, another caller's repair) ignored `max_restarts`: it restarted past the
+    budget the fault path honours. It now spends that budget, and past it raises, killing no worker."""
+    group = _restorable(tmp_path, max_restarts=1)
+    try:
+        group.restart([1], "a health check asked")
+        assert group.restarts == 1
+        pids = [p for _, _, p in group.call(Restorable.ping)]
+        with pytest.raises(RuntimeError, match=r"1 restart\(s\) already, cluster.max_restarts=1"):
+            group.restart([0], "asked again")
+        assert group.restarts == 1
+        assert [p for _, _, p in group.call(Restorable.ping)] == pids  # both workers kept
+    finally:
+        group.shutdown()
+
+
 class UnstartableGroup(WorkerGroup[Unstartable]):
     worker_cls = Unstartable
     restartable = True

@@ -19,6 +19,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import roll_core.sweep as sweep
+import roll_core.sweep_summary as sweep_summary
 from roll_core.testing.sweeps import multirun_config, reset_sweep_state, run_job, summary_rows
 
 
@@ -96,7 +97,7 @@ def test_failed_jobs_are_counted_even_when_the_summary_cannot_be_written(
     def broken_write(*args: Any) -> None:
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(sweep, "_replace_atomically", broken_write)
+    monkeypatch.setattr(sweep_summary, "_replace_atomically", broken_write)
     with caplog.at_level(logging.ERROR, logger="roll_core.sweep"):
         sweep.SweepSummaryCallback().on_multirun_end(multirun_config(sw))  # must not raise
 
@@ -421,7 +422,7 @@ def test_a_summary_cut_off_while_it_is_written_leaves_the_earlier_one_whole(
     sw = tmp_path / "sweep"
     for num in range(3):
         _job(sw, str(num), num, [f"algo.lr={num + 1}e-3"], wall_seconds=1.0)
-    monkeypatch.setattr(sweep, "_plot", lambda curves, path: None)
+    monkeypatch.setattr(sweep_summary, "_plot", lambda curves, path: None)
     sweep.summarize(sw)
     before = {name: (sw / name).read_text() for name in ("summary.csv", "summary.md")}
     _job(sw, "3", 3, ["algo.lr=4e-3"], "failed", error="RuntimeError: no data")
