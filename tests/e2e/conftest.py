@@ -1,18 +1,20 @@
 """Shared fixtures of the end-to-end tests: one Ray instance shared by the modules that need one, a tiny learnable
-task, a run helper, the bad-input corpus of a test_bad_inputs_*.py module."""
+task, a run helper, the bad-input corpus of a test_bad_inputs_*.py module, and the setup of the stop-then-resume
+tests (a SIGTERM in a chosen step, a tiny run that evaluates after every step)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from roll_core.testing import constant_answer_task
+from roll_core.testing import constant_answer_task, tiny_overrides
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -100,6 +102,47 @@ def ray_cluster(_shared_ray_session):
 def seven_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A task a random tiny model learns within a few steps: every answer is 7."""
     return constant_answer_task(tmp_path_factory.mktemp("data") / "seven.jsonl")
+
+
+@pytest.fixture
+def sigterm_in_step(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """`sigterm_in_step(at)`: SIGTERM to this process once step `at` has run (a preemption arriving during the
+    step). It patches `Pipeline.step` with the test's own `monkeypatch`: the test's `monkeypatch.undo()` takes it
+    back (before a resume)."""
+
+    def arm(at: int) -> None:
+        from roll_core.pipelines.loop import Pipeline
+
+        real = Pipeline.step
+
+        def step(self: Pipeline, n: int) -> Any:
+            out = real(self, n)
+            if n == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+
+        monkeypatch.setattr(Pipeline, "step", step)
+
+    return arm
+
+
+@pytest.fixture
+def stopped_run(
+    seven_task: Path, tmp_path: Path, sigterm_in_step: Callable[[int], None]
+) -> Callable[[int, int], tuple[Path, list[str]]]:
+    """`stopped_run(max_steps, stop_in)`: the run folder (tmp_path / "run") and overrides of a tiny run on
+    `seven_task` that evaluates 4 held-out problems after every step, with a SIGTERM armed in step `stop_in`
+    (`sigterm_in_step`). The stop-then-resume tests run it, `monkeypatch.undo()` (no more signals), and resume it
+    with `[*overrides, "pipeline.resume=true"]`."""
+
+    def setup(max_steps: int, stop_in: int) -> tuple[Path, list[str]]:
+        run = tmp_path / "run"
+        base = [o for o in tiny_overrides(seven_task, run, "pipeline.trackers=[]") if not o.startswith("pipeline.eval")]
+        base += [f"pipeline.max_steps={max_steps}", "pipeline.eval_every=1", "env.eval_size=4"]
+        sigterm_in_step(stop_in)
+        return run, base
+
+    return setup
 
 
 @pytest.fixture(scope="session")

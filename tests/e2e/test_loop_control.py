@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
 from tqdm.std import tqdm as std_tqdm
@@ -39,25 +39,11 @@ def bars(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int | None]]:
     return _RecordedBar.closed
 
 
-def _sigterm_in_step(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
-    """SIGTERM to this process once step `at` has run (a preemption arriving during the step)."""
-    from roll_core.pipelines.loop import Pipeline
-
-    real = Pipeline.step
-
-    def step(self: Pipeline, n: int) -> Any:
-        out = real(self, n)
-        if n == at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
-    monkeypatch.setattr(Pipeline, "step", step)
-
-
 def test_a_stopped_runs_bar_counts_its_last_step_and_a_resume_past_max_steps_says_so(
     seven_task: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    sigterm_in_step: Callable[[int], None],
     bars: list[tuple[int, int | None]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -67,7 +53,7 @@ def test_a_stopped_runs_bar_counts_its_last_step_and_a_resume_past_max_steps_say
     run = tmp_path / "run"
     base = tiny_overrides(seven_task, run, "pipeline.progress=true", "pipeline.trackers=[]")
     base = [o for o in base if not o.startswith("pipeline.eval_every=")]
-    _sigterm_in_step(monkeypatch, 2)
+    sigterm_in_step(2)
     with caplog.at_level(logging.WARNING, logger="roll_core.pipelines.loop"):
         summary, history = run_pipeline([*base, "pipeline.max_steps=4", "pipeline.eval_every=1"])
     assert summary["stopped_by_signal"] == signal.SIGTERM
@@ -87,15 +73,14 @@ def test_a_stopped_runs_bar_counts_its_last_step_and_a_resume_past_max_steps_say
 
 
 def test_a_sigterm_in_the_last_step_completes_the_run_and_a_resume_trains_nothing(
-    seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    stopped_run: Callable[[int, int], tuple[Path, list[str]]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """SIGTERM in step 2 of 2, after its update: the step is logged and saved, its evaluation skipped (the checkpoint
     first), and the run is complete, not stopped (it was `stopped by signal 15`, exit 143 from roll-train): the
     summary and report.md say so and name what the signal skipped. A resume trains nothing."""
-    run = tmp_path / "run"
-    base = [o for o in tiny_overrides(seven_task, run, "pipeline.trackers=[]") if not o.startswith("pipeline.eval")]
-    base += ["pipeline.max_steps=2", "pipeline.eval_every=1", "env.eval_size=4"]
-    _sigterm_in_step(monkeypatch, 2)
+    run, base = stopped_run(2, stop_in=2)
     with caplog.at_level(logging.WARNING, logger="roll_core.pipelines.loop"):
         summary, history = run_pipeline(base)
     assert summary["stopped_by_signal"] is None and summary["late_signal"] == signal.SIGTERM
@@ -118,12 +103,12 @@ def test_a_sigterm_in_the_last_step_completes_the_run_and_a_resume_trains_nothin
 
 
 def test_a_stop_in_the_step_that_finishes_a_rollout_job_completes_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bars: list[tuple[int, int | None]]
+    tmp_path: Path, sigterm_in_step: Callable[[int], None], bars: list[tuple[int, int | None]]
 ) -> None:
     """A rollout-only job of 3 steps, SIGTERM in step 3 (its last): the job is complete (every prompt generated, the
     checkpoint written), not stopped, and report.md names that checkpoint; the bar ends at 3/3 (it showed 2/3)."""
     out = tmp_path / "run"
-    _sigterm_in_step(monkeypatch, 3)
+    sigterm_in_step(3)
     summary, history = run_pipeline(
         [
             "pipeline=rollout",

@@ -4,29 +4,13 @@ of a complete run whose final evaluation a late signal skipped trains nothing, a
 
 from __future__ import annotations
 
-import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from roll_core.testing import run_pipeline, tiny_overrides
-
-
-def _sigterm_in_step(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
-    """SIGTERM to this process once step `at` has run (a preemption arriving during the step)."""
-    from roll_core.pipelines.loop import Pipeline
-
-    real = Pipeline.step
-
-    def step(self: Pipeline, n: int) -> Any:
-        out = real(self, n)
-        if n == at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
-    monkeypatch.setattr(Pipeline, "step", step)
+from roll_core.testing import run_pipeline
 
 
 def _status(run: Path) -> str:
@@ -36,12 +20,9 @@ def _status(run: Path) -> str:
 
 
 def test_the_report_of_a_resume_that_trains_nothing_names_the_skipped_final_evaluation(
-    seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stopped_run: Callable[[int, int], tuple[Path, list[str]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run = tmp_path / "run"
-    base = [o for o in tiny_overrides(seven_task, run, "pipeline.trackers=[]") if not o.startswith("pipeline.eval")]
-    base += ["pipeline.max_steps=2", "pipeline.eval_every=1", "env.eval_size=4"]
-    _sigterm_in_step(monkeypatch, 2)
+    run, base = stopped_run(2, stop_in=2)
     first, _ = run_pipeline(base)
     assert first["skipped"] == ["final evaluation (step 2)"] and first["late_signal"] == signal.SIGTERM
     monkeypatch.undo()

@@ -6,38 +6,19 @@ return value, which Hydra sweepers optimise, and a resumed sweep's job summary) 
 from __future__ import annotations
 
 import json
-import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from roll_core.testing import run_pipeline, tiny_overrides
-
-
-def _sigterm_in_step(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
-    """SIGTERM to this process once step `at` has run (a preemption arriving during the step)."""
-    from roll_core.pipelines.loop import Pipeline
-
-    real = Pipeline.step
-
-    def step(self: Pipeline, n: int) -> Any:
-        out = real(self, n)
-        if n == at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
-    monkeypatch.setattr(Pipeline, "step", step)
+from roll_core.testing import run_pipeline
 
 
 def test_a_resume_of_a_run_whose_final_evaluation_was_skipped_reports_no_final_accuracy(
-    seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stopped_run: Callable[[int, int], tuple[Path, list[str]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run = tmp_path / "run"
-    base = [o for o in tiny_overrides(seven_task, run, "pipeline.trackers=[]") if not o.startswith("pipeline.eval")]
-    base += ["pipeline.max_steps=2", "pipeline.eval_every=1", "env.eval_size=4"]
-    _sigterm_in_step(monkeypatch, 2)
+    run, base = stopped_run(2, stop_in=2)
     first, history = run_pipeline(base)
     assert first["final_eval_accuracy"] is None and first["skipped"] == ["final evaluation (step 2)"]
     assert [h["step"] for h in history if "eval/accuracy" in h] == [0, 1]
@@ -53,12 +34,9 @@ def test_a_resume_of_a_run_whose_final_evaluation_was_skipped_reports_no_final_a
 
 
 def test_an_evaluation_a_stop_skipped_is_still_named_after_the_resumed_run_finishes(
-    seven_task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stopped_run: Callable[[int, int], tuple[Path, list[str]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run = tmp_path / "run"
-    base = [o for o in tiny_overrides(seven_task, run, "pipeline.trackers=[]") if not o.startswith("pipeline.eval")]
-    base += ["pipeline.max_steps=3", "pipeline.eval_every=1", "env.eval_size=4"]
-    _sigterm_in_step(monkeypatch, 2)
+    run, base = stopped_run(3, stop_in=2)
     first, _ = run_pipeline(base)
     assert first["stopped_by_signal"] == signal.SIGTERM and first["skipped"] == ["evaluation (step 2)"]
     monkeypatch.undo()

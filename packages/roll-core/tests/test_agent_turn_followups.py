@@ -12,7 +12,9 @@ pipeline (test_agentic_turn_followups.py):
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,9 +26,11 @@ from roll_core.interfaces import Request, RequestOutput, SamplingParams
 from roll_core.models import build_tiny_tokenizer
 from roll_core.testing.agent_endpoint import openai_client, serve
 
+sys.path.insert(0, str(Path(__file__).parent))  # agentic_turn_harness, shared by the agentic turn tests
+from agentic_turn_harness import RecordingEngine, seeded_words, split_point
+
 BUDGET = 40
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=BUDGET)
-WORDS = "the a cat dog runs jumps over under red blue green sky sea 12 7 ok no yes go stop left right".split()
 
 
 @pytest.fixture(scope="module")
@@ -45,34 +49,9 @@ def hf_engine() -> Any:
     engine.shutdown()
 
 
-class AbortsFirst:
-    """The request API over `inner`, except that the first request is cut after `keep` tokens and reported aborted
-    (the engine's own preemption mid-turn); every request is recorded."""
-
-    def __init__(self, inner: Any, keep: int | None) -> None:
-        self.inner, self.keep = inner, keep
-        self.requests: list[Request] = []
-
-    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
-        self.requests.append(request)
-        if self.keep is None or len(self.requests) > 1:
-            return self.inner.submit_request(request, route_key)
-        short = Request(request.request_id, request.prompt_ids, request.params.replace(max_new_tokens=self.keep))
-        out = self.inner.submit_request(short, route_key).result()
-        fut: Future = Future()
-        fut.set_result(RequestOutput(out.request_id, out.prompt_ids, out.token_ids, out.logprobs, "abort"))
-        return fut
-
-    def abort(self, request_id: str) -> bool:
-        return self.inner.abort(request_id)
-
-    def check_sampling(self, params: SamplingParams) -> None:
-        self.inner.check_sampling(params)
-
-
 def _turn(infer: Any, tok: Any, words: str, stop: list[str] | None, keep: int | None) -> tuple[Any, Any, Any]:
     """One greedy turn of a fresh session through the endpoint: (the client's reply, the session, the engine)."""
-    engine = AbortsFirst(infer, keep)
+    engine = RecordingEngine(infer, keep)  # the engine's own preemption of the first request
     sessions, server = serve(engine, tok)
     try:
         sessions.open("ep", GREEDY, SessionLimits(max_turns=2, max_tokens_per_turn=BUDGET, max_context_length=512))
@@ -85,28 +64,14 @@ def _turn(infer: Any, tok: Any, words: str, stop: list[str] | None, keep: int | 
     return reply, session, engine
 
 
-def _split_point(tok: Any, ids: list[int]) -> tuple[str, int] | None:
-    """A 3-token stop string of the response `ids` (no special token) and the index of the token that completes it
-    first (not before the 7th token)."""
-    for k in range(6, len(ids) - 4):
-        stop = tok.decode(ids[k - 2 : k + 1])
-        plain = not any(i in tok.all_special_ids for i in ids[k - 2 : k + 1])
-        if plain and len(stop) >= 3 and stop.strip() == stop and stop not in tok.decode(ids[:k]):
-            return stop, k
-    return None
-
-
 def test_a_stop_string_split_across_an_engine_abort_ends_the_turn_as_without_the_abort(
     hf_engine: Any, tokenizer: Any
 ) -> None:
-    import random
-
     tok, found = tokenizer, None
     for seed in range(40):  # a greedy response long enough to hold a stop string in its middle
-        pick = random.Random(seed)
-        words = " ".join(pick.choice(WORDS) for _ in range(pick.randint(2, 12)))
+        words = seeded_words(seed)
         _, free, _ = _turn(hf_engine, tok, words, None, None)
-        found = _split_point(tok, free.traj.tokens)
+        found = split_point(tok, free.traj.tokens)
         if found is not None:
             break
     assert found is not None, "no greedy response of the tiny model held a usable stop string"

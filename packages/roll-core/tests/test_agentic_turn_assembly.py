@@ -12,8 +12,8 @@ earlier turn does not make the environment read a later turn as unfinished reaso
 from __future__ import annotations
 
 import logging
-import threading
-from concurrent.futures import Future
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,52 +22,13 @@ from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvManager
 from roll_core.agentic.rollout import AgenticRollout, EpisodeLimits
 from roll_core.agentic.trajectory import Trajectory, to_tensors
-from roll_core.interfaces import Request, RequestOutput, SamplingParams
+from roll_core.interfaces import SamplingParams
 from roll_core.testing.chat_templates import QWEN3, family_tokenizer
 
+sys.path.insert(0, str(Path(__file__).parent))  # agentic_turn_harness, shared by the agentic turn tests
+from agentic_turn_harness import RecordingEngine, ScriptedEngine, hf_infer_group
+
 ENGINE_CONTEXT = 160  # the hf engine's context in these tests (infer_engine.max_model_len)
-
-
-class Recorder:
-    """An inference group that records, per request, the route key, the prompt ids and the output."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.lock = inner, threading.Lock()
-        self.requests: dict[str, tuple[str | None, list[int]]] = {}
-        self.outputs: dict[str, RequestOutput] = {}
-
-    def submit_request(self, request: Request, route_key: str | None = None) -> Any:
-        with self.lock:
-            self.requests[request.request_id] = (route_key, list(request.prompt_ids))
-        handle = self.inner.submit_request(request, route_key=route_key)
-        read = handle.result
-
-        def result(*args: Any, **kwargs: Any) -> RequestOutput:
-            out = read(*args, **kwargs)
-            with self.lock:
-                self.outputs[request.request_id] = out
-            return out
-
-        handle.result = result
-        return handle
-
-    def abort(self, request_id: str) -> bool:
-        return self.inner.abort(request_id)
-
-    def max_context_length(self) -> int:
-        return self.inner.max_context_length()
-
-    def turns_of(self, traj: Trajectory) -> list[tuple[list[int], RequestOutput]]:
-        """(prompt ids, output) of the episode's requests, turn by turn: those of the route key whose first turn's
-        prompt is the trajectory's prompt (each episode's first observation names its seed)."""
-        firsts = [key for rid, (key, p) in self.requests.items() if rid.endswith("-turn-0") and p == traj.prompt_ids]
-        assert len(firsts) == 1, firsts
-        rids = sorted((r for r, (key, _) in self.requests.items() if key == firsts[0]), key=_turn)
-        return [(self.requests[r][1], self.outputs[r]) for r in rids]
-
-
-def _turn(request_id: str) -> int:
-    return int(request_id.rsplit("-", 1)[1])
 
 
 class Talk:
@@ -85,24 +46,11 @@ class Talk:
 
 @pytest.fixture(scope="module")
 def hf_tiny() -> Any:
-    from transformers import AutoTokenizer
-
-    from roll_core.cluster.roles import InferGroup, InferWorker
-    from roll_core.models import resolve_model_path
-    from roll_engines.config import HFInferEngineConfig
-
-    path = resolve_model_path("builtin:tiny")
-    runtime = {"model_path": path, "max_new_tokens": 64, "num_threads": 1}
-    engine = {**vars(HFInferEngineConfig()), "max_model_len": ENGINE_CONTEXT}
-    infer = InferGroup(InferWorker, 1, "local", engine=engine, runtime=runtime)
-    try:
-        yield infer, AutoTokenizer.from_pretrained(path)
-    finally:
-        infer.shutdown()
+    yield from hf_infer_group(ENGINE_CONTEXT)
 
 
-def _episodes(infer: Any, tok: Any, limits: EpisodeLimits, n: int = 3) -> tuple[list[Trajectory], Recorder]:
-    rec = Recorder(infer)
+def _episodes(infer: Any, tok: Any, limits: EpisodeLimits, n: int = 3) -> tuple[list[Trajectory], RecordingEngine]:
+    rec = RecordingEngine(infer)
     rollout = AgenticRollout(rec, EnvManager(Talk, 0, step_timeout_s=30), TurnTemplate(tok, "Talk."), tok, limits)
     params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=7)
     return rollout.run(list(range(n)), [0] * n, params), rec
@@ -188,22 +136,6 @@ def test_episodes_are_fitted_to_the_engines_context(hf_tiny: Any, caplog: pytest
         assert all(o.finish_reason != "prompt_too_long" for _, o in turns)
 
 
-class Scripted:
-    """Answers turn k with `script[k]` (ids, finish reason)."""
-
-    def __init__(self, script: list[tuple[list[int], str]]) -> None:
-        self.script = script
-
-    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
-        ids, finish = self.script[_turn(request.request_id)]
-        fut: Future = Future()
-        fut.set_result(RequestOutput(request.request_id, request.prompt_ids, ids, [-0.5] * len(ids), finish))
-        return fut
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-
 @pytest.mark.parametrize("header_opens_think", [False, True])
 def test_an_earlier_turns_unclosed_think_does_not_open_a_later_turn(header_opens_think: bool) -> None:
     """Qwen3-style tokens (`user` / `assistant` one id each, as in Qwen's vocabulary): a turn that ended inside its
@@ -232,7 +164,9 @@ def test_an_earlier_turns_unclosed_think_does_not_open_a_later_turn(header_opens
     end = tok.convert_tokens_to_ids("<|im_end|>")
     first = [*enc("hm"), end] if header_opens_think else [*enc("<think>\nhm"), end]
     script = [(first, "stop"), ([*enc("5"), end], "stop"), ([*enc("</think>6"), end], "stop")]
-    rollout = AgenticRollout(Scripted(script), EnvManager(Guess, 0), TurnTemplate(tok), tok, EpisodeLimits(3, 4096, 8))
+    rollout = AgenticRollout(
+        ScriptedEngine(script), EnvManager(Guess, 0), TurnTemplate(tok), tok, EpisodeLimits(3, 4096, 8)
+    )
     traj = rollout.run([0], [0], SamplingParams(max_new_tokens=8))[0]
     assert traj.turns == 3
     if header_opens_think:
@@ -336,7 +270,7 @@ def test_a_turn_cut_for_sampling_the_picture_placeholder_leaves_no_observation_o
         def step(self, action: str) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
             return {"text": "Again.", "images": [Image.new("RGB", (28, 28), (20, 200, 20))]}, 0.5, False, False, {}
 
-    engine = Scripted([([a, a], "length"), ([a, vp.image_token_id], "stop")])
+    engine = ScriptedEngine([([a, a], "length"), ([a, vp.image_token_id], "stop")])
     template = TurnTemplate(tok, "Play.", vision=vp)
     rollout = AgenticRollout(engine, EnvManager(Seen, 0), template, tok, EpisodeLimits(3, 4096, 2))
     (traj,) = rollout.run([0], [0], SamplingParams(max_new_tokens=2))

@@ -15,8 +15,9 @@ a `<think>` spelt by an observation, and the config-time check of a task's conte
 from __future__ import annotations
 
 import logging
-import random
+import sys
 from concurrent.futures import Future
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,81 +28,39 @@ from roll_core.agentic.env_manager import EnvManager
 from roll_core.agentic.rollout import AgenticRollout, EpisodeLimits
 from roll_core.interfaces import Request, RequestOutput, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).parent))  # agentic_turn_harness, shared by the agentic turn tests
+from agentic_turn_harness import RecordingEngine, ScriptedEngine, hf_infer_group, seeded_words, split_point
+
 ENGINE_CONTEXT = 256
 
 
 # ---- 1. a stop string split across a resumed turn's attempts --------------------------------------------------------
-WORDS = "the a cat dog runs jumps over under red blue green sky sea 12 7 ok no yes go stop left right".split()
-
-
 class Talk:
     """Says a few words the seed picks (the tiny model's greedy reply depends on them); never ends by itself."""
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
-        pick = random.Random(seed)
-        return " ".join(pick.choice(WORDS) for _ in range(pick.randint(2, 12))), {}
+        return seeded_words(seed), {}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         return "more", 0.0, False, False, {}
 
 
-class AbortFirstAttempt:
-    """The hf engine, except that the first attempt of each episode's turn 0 is cut after `keep` tokens and reported
-    aborted (a weight sync's abort mid-turn); every request is recorded."""
-
-    def __init__(self, inner: Any, keep: int | None) -> None:
-        self.inner, self.keep = inner, keep
-        self.requests: list[Request] = []
-
-    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
-        self.requests.append(request)
-        if self.keep is None or not request.request_id.endswith("-turn-0"):
-            return self.inner.submit_request(request, route_key=route_key)
-        short = Request(request.request_id, request.prompt_ids, request.params.replace(max_new_tokens=self.keep))
-        out = self.inner.submit_request(short, route_key=route_key).result()
-        fut: Future = Future()
-        fut.set_result(RequestOutput(out.request_id, out.prompt_ids, out.token_ids, out.logprobs, "abort"))
-        return fut
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-
 @pytest.fixture(scope="module")
 def hf_tiny() -> Any:
-    from transformers import AutoTokenizer
+    yield from hf_infer_group(ENGINE_CONTEXT)
 
-    from roll_core.cluster.roles import InferGroup, InferWorker
-    from roll_core.models import resolve_model_path
-    from roll_engines.config import HFInferEngineConfig
 
-    path = resolve_model_path("builtin:tiny")
-    runtime = {"model_path": path, "max_new_tokens": 64, "num_threads": 1}
-    engine = {**vars(HFInferEngineConfig()), "max_model_len": ENGINE_CONTEXT}
-    infer = InferGroup(InferWorker, 1, "local", engine=engine, runtime=runtime)
-    try:
-        yield infer, AutoTokenizer.from_pretrained(path)
-    finally:
-        infer.shutdown()
+def _turn_0(request: Request, earlier: int) -> bool:
+    """The first attempt of each episode's turn 0 (a weight sync's abort mid-turn)."""
+    return request.request_id.endswith("-turn-0")
 
 
 def _turn(infer: Any, tok: Any, seed: int, stop: tuple[str, ...], keep: int | None) -> tuple[Any, list[Request]]:
     """One greedy turn of an episode on env seed `seed` (greedy: a resumed attempt goes on as the unaborted one)."""
-    engine = AbortFirstAttempt(infer, keep)
+    engine = RecordingEngine(infer, keep, cut=_turn_0)
     rollout = AgenticRollout(engine, EnvManager(Talk, 0), TurnTemplate(tok, "Talk."), tok, EpisodeLimits(1, 200, 48))
     (traj,) = rollout.run([seed], [0], SamplingParams(max_new_tokens=48, temperature=0.0, stop=stop))
     return traj, engine.requests
-
-
-def _split_point(tok: Any, ids: list[int]) -> tuple[str, int] | None:
-    """A 3-token stop string of the response `ids` (no special token) and the index of the token that completes it
-    first (not before the 7th token)."""
-    for k in range(6, len(ids) - 4):
-        stop = tok.decode(ids[k - 2 : k + 1])
-        plain = not any(i in tok.all_special_ids for i in ids[k - 2 : k + 1])
-        if plain and len(stop) >= 3 and stop.strip() == stop and stop not in tok.decode(ids[:k]):
-            return stop, k
-    return None
 
 
 def test_a_stop_string_split_across_an_abort_ends_the_turn_as_without_the_abort(hf_tiny: Any) -> None:
@@ -109,7 +68,7 @@ def test_a_stop_string_split_across_an_abort_ends_the_turn_as_without_the_abort(
     found = None
     for seed in range(40):  # a greedy response long enough to hold a stop string in its middle
         free, _ = _turn(infer, tok, seed, (), None)
-        found = _split_point(tok, free.tokens)
+        found = split_point(tok, free.tokens)
         if found is not None:
             break
     assert found is not None, "no greedy response of the tiny model held a usable stop string"
@@ -216,28 +175,13 @@ def test_turns_cut_by_the_context_are_counted_apart_from_turns_cut_by_the_turn_l
 
 
 # ---- 3. an observation that spells <think> ------------------------------------------------------------------------
-class Scripted:
-    """Answers turn k with `script[k]` (ids, finish reason)."""
-
-    def __init__(self, script: list[tuple[list[int], str]]) -> None:
-        self.script = script
-
-    def submit_request(self, request: Request, route_key: str | None = None) -> Future:
-        ids, finish = self.script[int(request.request_id.rsplit("-", 1)[1])]
-        fut: Future = Future()
-        fut.set_result(RequestOutput(request.request_id, request.prompt_ids, ids, [-0.5] * len(ids), finish))
-        return fut
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-
 @pytest.mark.parametrize("header_opens_think", [False, True])
 def test_an_observation_ending_with_think_does_not_open_the_reply(header_opens_think: bool) -> None:
-    """Qwen3's tokens (thinking on: `<think>` is an added token that is no framing, so an observation's `<think>`
-    keeps its id) and an environment whose observations end with `<think>`: the ids before each turn end with it
-    and the generation header, within the tail `opens_think` read. The environment got `<think>5`, unfinished
-    reasoning, for the answer 5. A header that opens the block still puts the tag back on every turn."""
+    """Qwen3's tokens (thinking on) and an environment whose observations end with `<think>`: the ids before each
+    turn end with its text (an observation's `<think>` is text, not the added token's id: roll_core.agentic.
+    turn_text's reasoning tags) and the generation header, within the tail `opens_think` read, which decodes them
+    to `<think>`. The environment got `<think>5`, unfinished reasoning, for the answer 5. A header that opens the
+    block still puts the tag back on every turn."""
     from roll_core.testing.chat_templates import QWEN3, family_tokenizer
 
     tok = family_tokenizer("qwen3")
@@ -263,12 +207,14 @@ def test_an_observation_ending_with_think_does_not_open_the_reply(header_opens_t
     end = tok.convert_tokens_to_ids("<|im_end|>")
     script = [([*enc("5"), end], "stop"), ([*enc("6"), end], "stop")]
     template = TurnTemplate(tok)
-    rollout = AgenticRollout(Scripted(script), EnvManager(Thinker, 0), template, tok, EpisodeLimits(2, 4096, 8))
+    rollout = AgenticRollout(ScriptedEngine(script), EnvManager(Thinker, 0), template, tok, EpisodeLimits(2, 4096, 8))
     (traj,) = rollout.run([0], [0], SamplingParams(max_new_tokens=8))
     assert traj.turns == 2
-    # the observations' <think> kept its id, within the 16 ids before each turn
+    # the observations' <think> is text, within the 16 ids before each turn (what opens_think decodes)
     obs_ids = template.observation("Again <think>", [*enc("5"), end])
-    assert think in traj.prompt_ids[-16:] and think in obs_ids[-16:]
+    header = int(header_opens_think)  # the only think id: the header's own
+    assert traj.prompt_ids.count(think) == header and obs_ids.count(think) == header
+    assert "<think>" in tok.decode(traj.prompt_ids[-16:]) and "<think>" in tok.decode(obs_ids[-16:])
     assert seen == (["<think>5", "<think>6"] if header_opens_think else ["5", "6"])
 
 

@@ -7,39 +7,25 @@ metric counted data.path's skips only while its summary counted both files. A ti
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from roll_core.interfaces import DataCounts
 from roll_core.interfaces.tasks import data_counts
-from roll_core.testing import constant_answer_task, run_pipeline, tiny_overrides
+from roll_core.testing import run_pipeline
 from roll_core.testing.chat_templates import family_tokenizer
 from roll_core.testing.posttrain_rows import load, write_jsonl
 
-N = 8  # training examples; prompts 0 and 1 are held out too, one bad line in each file
+sys.path.insert(0, str(Path(__file__).parent))  # posttrain_tiny_runs, shared with test_posttrain_eval_size_cut.py
+from posttrain_tiny_runs import ROWS, N, tiny_posttrain_overrides
 
-
-def _sft(i: int) -> dict:
-    return {"prompt": f"Q{i}: say 7", "completion": "7"}
-
-
-def _pair(i: int) -> dict:
-    return {"prompt": f"Q{i}: answer", "chosen": "123", "rejected": "abc"}
-
-
-def _distill(i: int) -> dict:
-    response = [10 + i, 20 + i, 30 + i]
-    return {"prompt_ids": [5, 6, 7 + i], "response_ids": response,
-            "teacher_topk_ids": [[t, 3] for t in response],
-            "teacher_topk_logprobs": [[-0.1, -2.5] for _ in response]}  # fmt: skip
-
-
-ROWS = {"sft": _sft, "dpo": _pair, "distill_offline": _distill}
 EXTRA = {"sft": [], "dpo": [], "distill_offline": ["distill.eval_task=false"]}
 
 
 def _files(make, folder: Path) -> tuple[str, str]:
+    """N training examples; prompts 0 and 1 are held out too, one bad line in each file."""
     train = write_jsonl(folder / "train.jsonl", [*(make(i) for i in range(N)), "{not json"])
     held = write_jsonl(folder / "held.jsonl", [make(0), make(1), make(N + 5), "{not json"])
     return train, held
@@ -48,18 +34,7 @@ def _files(make, folder: Path) -> tuple[str, str]:
 @pytest.mark.parametrize("name", list(ROWS))
 def test_a_post_training_run_reports_its_data_counts(name: str, tmp_path: Path) -> None:
     train, held = _files(ROWS[name], tmp_path)
-    overrides = tiny_overrides(
-        constant_answer_task(tmp_path / "task.jsonl", rows=20),
-        tmp_path / "run",
-        f"pipeline={name}",
-        f"data.path={train}",
-        f"data.eval_path={held}",
-        "model.max_response_length=8",
-        "pipeline.max_steps=1",
-        "pipeline.rollout_batch_size=4",
-        "pipeline.trackers=[]",
-        *EXTRA[name],
-    )
+    overrides = tiny_posttrain_overrides(name, tmp_path, train, 20, f"data.eval_path={held}", *EXTRA[name])
     summary, history = run_pipeline(overrides)
     assert summary["also_held_out"] == 2  # Q0 and Q1: kept and trained on, but counted
     assert summary["skipped_rows"] == {"unreadable": 2}  # one bad line in each file
@@ -74,7 +49,7 @@ def test_the_counts_of_each_split(tmp_path: Path) -> None:
     """`PostTrainData` as DataCounts: no held-out rows, nothing to count (None, as a task that draws disjoint
     splits); a data.eval_size split keeps a prompt's rows on one side (0)."""
     tok = family_tokenizer("tiny")
-    path = write_jsonl(tmp_path / "rows.jsonl", [_sft(i % 6) for i in range(24)])
+    path = write_jsonl(tmp_path / "rows.jsonl", [ROWS["sft"](i % 6) for i in range(24)])
     alone, split = load("sft", tok, path=path), load("sft", tok, path=path, eval_size=4)
     assert isinstance(alone, DataCounts) and alone.also_held_out is None
     assert data_counts(alone) == {"skipped_rows": {}}

@@ -8,33 +8,17 @@ pipeline, 1 step."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from roll_core.pipelines.collectors._eval_cut import first_eval_size, with_eval_cut
-from roll_core.testing import constant_answer_task, run_pipeline, tiny_overrides
+from roll_core.testing import run_pipeline
 from roll_core.testing.posttrain_rows import write_jsonl
 
-N = 8  # training rows of data.path
-
-
-def _sft(i: int) -> dict:
-    return {"prompt": f"Q{i}: say 7", "completion": "7"}
-
-
-def _pair(i: int) -> dict:
-    return {"prompt": f"Q{i}: answer", "chosen": "123", "rejected": "abc"}
-
-
-def _distill(i: int) -> dict:
-    response = [10 + i, 20 + i, 30 + i]
-    return {"prompt_ids": [5, 6, 7 + i], "response_ids": response,
-            "teacher_topk_ids": [[t, 3] for t in response],
-            "teacher_topk_logprobs": [[-0.1, -2.5] for _ in response]}  # fmt: skip
-
-
-ROWS = {"sft": _sft, "dpo": _pair, "distill_offline": _distill}
+sys.path.insert(0, str(Path(__file__).parent))  # posttrain_tiny_runs, shared with test_posttrain_data_counts.py
+from posttrain_tiny_runs import ROWS, N, tiny_posttrain_overrides
 
 
 def _run(name: str, tmp_path: Path, *extra: str) -> tuple[dict, list[dict]]:
@@ -43,21 +27,8 @@ def _run(name: str, tmp_path: Path, *extra: str) -> tuple[dict, list[dict]]:
     train = write_jsonl(tmp_path / "train.jsonl", [ROWS[name](i) for i in range(N)])
     held = tmp_path / "held.jsonl"
     held.write_text("".join(json.dumps({"prompt": f"held {i}: say 7", "answer": "7"}) + "\n" for i in range(6)))
-    overrides = tiny_overrides(
-        constant_answer_task(tmp_path / "task.jsonl", rows=12),
-        tmp_path / "run",
-        f"pipeline={name}",
-        f"data.path={train}",
-        f"env.eval_path={held}",
-        "model.max_response_length=8",
-        "pipeline.max_steps=1",
-        "pipeline.rollout_batch_size=4",
-        "pipeline.eval_every=1",
-        "pipeline.eval_size=2",
-        "pipeline.trackers=[]",
-        *extra,
-    )
-    return run_pipeline(overrides)
+    evaluated = (f"env.eval_path={held}", "pipeline.eval_every=1", "pipeline.eval_size=2")
+    return run_pipeline(tiny_posttrain_overrides(name, tmp_path, train, 12, *evaluated, *extra))
 
 
 @pytest.mark.parametrize("name", list(ROWS))

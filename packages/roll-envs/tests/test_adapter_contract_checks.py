@@ -5,41 +5,21 @@ single-turn SkyRL-Gym environment's wrong answer was reported as a truncation.""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import pytest
 
-from roll_envs.agentic import GymTextEnv, make_env
-from roll_envs.agentic.gem_adapter import GemEnv, _Adapter, _PrivateGlobalRNG
+from roll_envs.agentic import make_env
+
+sys.path.insert(0, str(Path(__file__).parent))  # adapter_stand_ins, shared with test_adapter_empty_observations.py
+from adapter_stand_ins import gem, gym
 
 
-class _Scripted:
-    """A Gymnasium-API environment whose reset and step return what the test sets."""
-
-    def __init__(self, step: Any = None, reset: Any = ("start", {})) -> None:
-        self.step_result, self.reset_result = step, reset
-
-    def reset(self, seed: int | None = None) -> Any:
-        return self.reset_result
-
-    def step(self, action: Any) -> Any:
-        return self.step_result
-
-
-def _gym(step: Any = None, reset: Any = ("start", {})) -> GymTextEnv:
-    return GymTextEnv(_Scripted(step, reset))
-
-
-def _gem(step: Any = None, reset: Any = ("start", {})) -> GemEnv:
-    env = GemEnv.__new__(GemEnv)  # GemEnv's own reset/step over a stand-in (gem itself is an optional install)
-    _Adapter.__init__(env, _Scripted(step, reset), 1.0, None)
-    env._rng, env.env_id = _PrivateGlobalRNG(0), "game:Scripted-v0"
-    return env
-
-
-@pytest.mark.parametrize("build", [_gym, _gem])
+@pytest.mark.parametrize("build", [gym, gem])
 def test_flags_that_are_not_bools_are_refused(build: Any) -> None:
     """A terminated flag "False" read as True (the episode ended on a step the environment said goes on)."""
     env = build(("obs", 0.0, "False", False, {}))
@@ -60,7 +40,7 @@ def test_flags_that_are_not_bools_are_refused(build: Any) -> None:
         assert type(term) is bool and type(trunc) is bool
 
 
-@pytest.mark.parametrize("build", [_gym, _gem])
+@pytest.mark.parametrize("build", [gym, gem])
 def test_rewards_that_are_not_finite_numbers_are_refused(build: Any) -> None:
     for bad in ("1.0", None, float("nan"), float("inf"), np.float32("nan"), 10**400):
         env = build(("obs", bad, False, False, {}))
@@ -73,7 +53,7 @@ def test_rewards_that_are_not_finite_numbers_are_refused(build: Any) -> None:
     assert reward == 0.5 and type(reward) is float
 
 
-@pytest.mark.parametrize("build", [_gym, _gem])
+@pytest.mark.parametrize("build", [gym, gem])
 def test_resets_and_steps_of_the_wrong_shape_are_refused(build: Any) -> None:
     """An old-Gym reset returning only its observation: a 2-element one was split into (observation, info) silently
     (observation 3, info dropped), others raised a bare unpacking error."""
@@ -92,7 +72,7 @@ def test_resets_and_steps_of_the_wrong_shape_are_refused(build: Any) -> None:
         env.step("a")
 
 
-@pytest.mark.parametrize("build", [_gym, _gem])
+@pytest.mark.parametrize("build", [gym, gem])
 def test_mapping_infos_are_read_and_their_flags_checked(build: Any) -> None:
     """An info that is a Mapping but not a dict was dropped with its success flag; a "success" of "False" read True."""
     env = build(("obs", 0.0, True, False, MappingProxyType({"success": True, "state": "s1"})))

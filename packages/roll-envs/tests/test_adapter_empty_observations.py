@@ -6,40 +6,20 @@ the list of its keys) asked the model nothing, and a SkyRL step with no observat
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
 from roll_core.agentic.env_manager import EnvFailure, EnvManager
 from roll_envs.agentic import GymTextEnv, make_env
-from roll_envs.agentic.gem_adapter import GemEnv, _Adapter, _PrivateGlobalRNG
+
+sys.path.insert(0, str(Path(__file__).parent))  # adapter_stand_ins, shared with test_adapter_contract_checks.py
+from adapter_stand_ins import gem, gym, scripted
 
 
-class _Scripted:
-    """A Gymnasium-API environment whose reset and step return what the test sets."""
-
-    def __init__(self, step: Any = None, reset: Any = ("start", {})) -> None:
-        self.step_result, self.reset_result = step, reset
-
-    def reset(self, seed: int | None = None) -> Any:
-        return self.reset_result
-
-    def step(self, action: Any) -> Any:
-        return self.step_result
-
-
-def _gym(step: Any = None, reset: Any = ("start", {})) -> GymTextEnv:
-    return GymTextEnv(_Scripted(step, reset))
-
-
-def _gem(step: Any = None, reset: Any = ("start", {})) -> GemEnv:
-    env = GemEnv.__new__(GemEnv)  # GemEnv's own reset/step over a stand-in (gem itself is an optional install)
-    _Adapter.__init__(env, _Scripted(step, reset), 1.0, None)
-    env._rng, env.env_id = _PrivateGlobalRNG(0), "game:Scripted-v0"
-    return env
-
-
-@pytest.mark.parametrize("build", [_gym, _gem])
+@pytest.mark.parametrize("build", [gym, gem])
 def test_a_none_observation_is_an_error_but_at_the_end(build: Any) -> None:
     """`str(None)`: the model was shown "None" as its task or as the environment's answer."""
     with pytest.raises(ValueError, match=r"Scripted.*: reset returned the observation None"):
@@ -56,7 +36,7 @@ def test_a_none_observation_is_an_error_but_at_the_end(build: Any) -> None:
         assert (obs, reward, term, trunc) == ("", 1.0, terminated, truncated) and info["state"] == ""
 
 
-@pytest.mark.parametrize("build", [_gym, _gem])
+@pytest.mark.parametrize("build", [gym, gem])
 def test_an_info_state_of_none_reads_as_absent(build: Any) -> None:
     """info["state"] None became the state "None": every such step one state to GiGPO's grouping."""
     _, info = build(reset=("first", {"state": None})).reset(seed=0)
@@ -69,7 +49,7 @@ def test_an_info_state_of_none_reads_as_absent(build: Any) -> None:
     assert env.step("a")[4]["state"] == "7"
 
 
-@pytest.mark.parametrize("build", [_gym, _gem])
+@pytest.mark.parametrize("build", [gym, gem])
 def test_an_empty_first_observation_is_an_error(build: Any) -> None:
     """The first observation is the whole task (GEM states its rules there): "" asked the model nothing."""
     for empty in ("", "  \n"):
@@ -84,16 +64,16 @@ def test_gym_obs_to_text_must_return_text() -> None:
     """A converter returning None or a dict was passed on: the env manager read None as "None" and a dict as an
     observation with pictures."""
     for bad in (None, {"text": "x"}, 3):
-        env = GymTextEnv(_Scripted(("o", 0.0, False, False, {})), obs_to_text=lambda obs, bad=bad: bad)
+        env = GymTextEnv(scripted(("o", 0.0, False, False, {})), obs_to_text=lambda obs, bad=bad: bad)
         with pytest.raises(ValueError, match=f"obs_to_text returned {type(bad).__name__}"):
             env.reset(seed=0)
     # A None observation that ends the episode never reaches the converter (it expects the environment's own).
-    env = GymTextEnv(_Scripted((None, 1.0, True, False, {}), reset=(2, {})), obs_to_text=lambda n: "x" * n)
+    env = GymTextEnv(scripted((None, 1.0, True, False, {}), reset=(2, {})), obs_to_text=lambda n: "x" * n)
     assert env.reset(seed=0)[0] == "xx" and env.step("a")[0] == ""
 
 
 def test_the_env_manager_fails_an_adapters_none_observation_as_an_env_error() -> None:
-    m = EnvManager(lambda: _gem((None, 0.0, False, False, {})), 1, step_timeout_s=30.0)
+    m = EnvManager(lambda: gem((None, 0.0, False, False, {})), 1, step_timeout_s=30.0)
     m.reset(0, seed=0)
     with pytest.raises(EnvFailure) as err:
         m.step(0, "a")
