@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from roll_engines.train._hf_checkpoint import check_loaded
+from roll_engines.train._hf_checkpoint import mismatch
 
 log = logging.getLogger(__name__)
 
@@ -198,15 +198,11 @@ def materialize(model: torch.nn.Module, source: dict[str, Tensor] | None, on_met
         raise RuntimeError(f"fsdp2: {left[:5]} left on the meta device after loading")
 
 
-def _mismatch(model: torch.nn.Module, weights: Mapping[str, Tensor]) -> str | None:
-    """What makes `weights` no full state dict of `model` (None if they are one). Local."""
-    own = model.state_dict()
-    try:
-        check_loaded(weights, [k for k in own if k not in weights], [k for k in weights if k not in own], model)
-    except RuntimeError as e:
-        return str(e)
-    shapes = [f"{k} {tuple(w.shape)} for {tuple(own[k].shape)}" for k, w in weights.items() if w.shape != own[k].shape]
-    return f"checkpoint mismatch: shapes {shapes[:5]}" if shapes else None
+def check_from_rank0(model: torch.nn.Module, weights: Mapping[str, Tensor], device: torch.device) -> None:
+    """RuntimeError on every rank unless rank 0's `weights` fill `model` exactly (_hf_checkpoint.mismatch)."""
+    problem = _broadcast_object(mismatch(model, weights) if dist.get_rank() == 0 else None, device)
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def load_from_rank0(
@@ -218,9 +214,7 @@ def load_from_rank0(
 
     rank0 = dist.get_rank() == 0
     if check:
-        problem = _broadcast_object(_mismatch(model, weights) if rank0 else None, device)
-        if problem is not None:
-            raise RuntimeError(problem)
+        check_from_rank0(model, weights, device)
     # strict=False: a shared parameter's other names (and, unchecked, nothing else) are absent from `weights`;
     # torch fills the absent keys with the model's own tensors, so they load as themselves.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)

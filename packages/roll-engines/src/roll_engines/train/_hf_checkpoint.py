@@ -4,8 +4,9 @@
 `get_weights`/`load_weights`, `save`/`load` of a checkpoint folder (`model/` an HF folder, `optimizer/` a
 torch.distributed.checkpoint keyed by parameter name, `engine.pt` scheduler and scaler; LoRA adds `adapter/`).
 It uses the engine's `model`, `optimizer`, `scheduler`, `scaler`, `lora`, `vision`, `dp_rank`, `path`; sharded
-engines override `_full_tensor`, `_save_model`, `_save_lora`, `_read_model_folder`, `_load_full_weights` and
-`_on_every_rank` (what one rank reads or writes alone: its failure raises on every rank, not only on it).
+engines override `_full_tensor`, `_save_model`, `_save_lora`, `_read_model_folder`, `_check_full_weights`,
+`_load_full_weights` and `_on_every_rank` (what one rank reads or writes alone: its failure raises on every rank,
+not only on it).
 
 A rank's `save` returns only once the files it wrote are on disk (`fsync_written`): on a shared filesystem (NFS,
 Lustre) the driver's flush of the checkpoint (roll_core.checkpoint) does not flush what other nodes' processes
@@ -14,6 +15,7 @@ wrote, so a crash after the checkpoint was declared complete could have lost a r
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -166,20 +168,32 @@ class HFWeightsAndCheckpoints:
     def load(self, folder: str | Path) -> None:
         """Restore weights, optimizer, scheduler and scaler written by `save` (at any data-parallel size). The
         optimizer's hyperparameters and base LR stay this engine's configured ones (roll_engines.train._settings);
-        Adam's moments and the schedule's position come from the checkpoint."""
+        Adam's moments and the schedule's position come from the checkpoint.
+
+        All or nothing: a folder that fails to load (a missing or corrupt shard, no `optimizer/` or `engine.pt`)
+        raises, on every rank, and leaves the engine as it was. `engine.pt` and `model/` are read and checked
+        (every parameter filled, nothing else, shapes) before anything is written; the optimizer's state is read
+        into copies of its tensors (_optim.load_optimizer) before the weights are written; a LoRA adapter (small)
+        is put back if its load or the optimizer's fails. (The weights were written first: a folder without
+        `optimizer/`, or with a truncated optimizer shard, raised with the new weights loaded.)"""
         folder = Path(folder)
-        if self.lora:  # the base stays what model_path holds; only the adapter was trained
-            self._load_adapter(folder / "adapter")
-        else:
+        weights = small = None
+        if not self.lora:  # (LoRA: the base stays what model_path holds; only the adapter was trained)
             weights = self._on_every_rank(lambda: self._read_weights(folder / "model"), f"reading {folder / 'model'}")
-            self._load_full_weights(weights)
-        if self.optimizer is None:
+            self._check_full_weights(weights)
+        if self.optimizer is not None:
+            small = self._on_every_rank(lambda: _read_engine_state(folder), f"reading {folder / 'engine.pt'}")
+        trained = [p for p in self.model.parameters() if p.requires_grad] if self.lora else []
+        with _restored_on_failure(trained):
+            if self.lora:
+                self._load_adapter(folder / "adapter")
+            if self.optimizer is not None:
+                configured = snapshot(self.optimizer)  # this run's lr, weight decay, betas: the checkpoint's would win
+                load_optimizer(self.model, self.optimizer, folder / "optimizer")
+        if weights is not None:
+            self._load_full_weights(weights, checked=True)
+        if small is None:
             return
-        if not (folder / "optimizer").is_dir():
-            raise FileNotFoundError(f"{folder} has no optimizer checkpoint (optimizer/): it is a weights-only folder")
-        configured = snapshot(self.optimizer)  # this run's lr, weight decay, betas: the checkpoint's would win
-        load_optimizer(self.model, self.optimizer, folder / "optimizer")
-        small = torch.load(folder / "engine.pt", map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(small["scheduler"])
         # The configured settings take effect at the saved schedule position (a resume with a changed algo.lr).
         reapply(self.optimizer, configured, self.scheduler)
@@ -208,9 +222,20 @@ class HFWeightsAndCheckpoints:
             weights.update(load_file(f))
         return weights
 
-    def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        check_loaded(weights, missing, unexpected, self.model)
+    def _check_full_weights(self, weights: dict[str, Tensor]) -> None:
+        """RuntimeError unless `weights` fill the model exactly (`mismatch`), before any is written (sharded
+        engines: rank 0's weights, checked on rank 0 and raised on every rank)."""
+        problem = mismatch(self.model, weights)
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def _load_full_weights(self, weights: dict[str, Tensor], checked: bool = False) -> None:
+        """Write a full state dict into the model, `_check_full_weights` first unless already `checked`: the check
+        after `load_state_dict` (which copies every tensor it can before it raises for a misshapen one) left a
+        refused state dict half loaded."""
+        if not checked:
+            self._check_full_weights(weights)
+        self.model.load_state_dict(weights, strict=False)
 
 
 #: A file torch.distributed.checkpoint names after the rank that wrote it (Megatron's torch_dist save too, which may
@@ -234,6 +259,38 @@ def fsync_written(folder: Path, rank: int, coordinator: bool) -> None:
 
     fsync_tree(folder, include=written_here)
     fsync_dir(folder.parent)
+
+
+def _read_engine_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's `engine.pt` (scheduler, scaler), after checking it has an `optimizer/` (local)."""
+    if not (folder / "optimizer").is_dir():
+        raise FileNotFoundError(f"{folder} has no optimizer checkpoint (optimizer/): it is a weights-only folder")
+    return torch.load(folder / "engine.pt", map_location="cpu", weights_only=True)
+
+
+@contextlib.contextmanager
+def _restored_on_failure(params: list[Tensor]) -> Iterator[None]:
+    """Put `params` (a LoRA adapter's: small) back as they were if the body raises (local: each rank its shards)."""
+    saved = [p.detach().clone() for p in params]
+    try:
+        yield
+    except BaseException:  # (torch.distributed.checkpoint's CheckpointException is no Exception)
+        with torch.no_grad():
+            for p, old in zip(params, saved):
+                p.copy_(old)
+        raise
+
+
+def mismatch(model: torch.nn.Module, weights: Mapping[str, Tensor]) -> str | None:
+    """What makes `weights` no full state dict of `model` (`check_loaded`'s names, then shapes); None if they are
+    one. Local."""
+    own = model.state_dict()
+    try:
+        check_loaded(weights, [k for k in own if k not in weights], [k for k in weights if k not in own], model)
+    except RuntimeError as e:
+        return str(e)
+    shapes = [f"{k} {tuple(w.shape)} for {tuple(own[k].shape)}" for k, w in weights.items() if w.shape != own[k].shape]
+    return f"checkpoint mismatch: shapes {shapes[:5]}" if shapes else None
 
 
 def check_loaded(

@@ -13,9 +13,9 @@ is for scoring passes only (no-grad callers).
 - `gathered_logprobs` (.., K) fp32: log softmax at the ids of the micro-batch's `loss_fn.gather_ids_key` tensor
   (b, R, K) long, differentiable. An id outside [0, V) is a ValueError (`check_gather_ids`), never a silent wrong
   value: the packed path's advanced indexing would read a negative id as counted from the end of the vocabulary.
-  The engines check the whole batch's gather ids on the host before any forward (`check_batch_gather_ids`), so
-  a refusal comes before the first collective, on every data-parallel rank (_agree.agreed); the per-micro-batch
-  check stays for direct callers.
+  The engines check the whole batch's gather ids (and that it holds them) on the host before any forward
+  (`check_batch_gather_ids`), so a refusal comes before the first collective, on every data-parallel rank
+  (_agree.agreed); the per-micro-batch check stays for direct callers.
 
 A batch's token ids are checked once, on the host, before any forward (`check_batch_ids`; the megatron engine calls
 `check_token_ids` with its config's vocabulary): every id of `responses` must be in [0, V) for the model's logits
@@ -118,11 +118,19 @@ def check_batch_ids(tensors: Mapping[str, Tensor], model: torch.nn.Module, who: 
 
 
 def check_batch_gather_ids(tensors: Mapping[str, Tensor], loss_fn: Any, width: int | None, who: str, what: str) -> None:
-    """When `loss_fn` declares a `gather_ids_key` that the batch holds: that tensor must be (B, R, K) integer ids
-    matching `responses` (`gather_ids_of`), each in [0, `width`) (None: no width to check against; `what` says
-    what it is the width of), else a ValueError naming the key, the first offending id and its index. Run on the
-    whole batch, on the host, before any forward: `check_gather_ids` refused the same ids per micro-batch,
-    mid-forward, on one data-parallel rank while the others waited in a collective."""
+    """When `loss_fn` declares a `gather_ids_key`, the batch must hold it (else a ValueError naming `who`, the key
+    and the batch's keys), as a (B, R, K) integer tensor of ids matching `responses` (`gather_ids_of`), each in
+    [0, `width`) (None: no width to check against; `what` says what it is the width of), else a ValueError naming
+    the key, the first offending id and its index. Run on the whole batch, on the host, before any forward:
+    `check_gather_ids` refused the same ids per micro-batch, mid-forward, on one data-parallel rank while the others
+    waited in a collective; a batch without the key reached the loss, which raised on that rank alone after the
+    forward's collectives (the others waited in the backward's)."""
+    key = getattr(loss_fn, "gather_ids_key", None)
+    if key is not None and key not in tensors:
+        raise ValueError(
+            f"{who}: the loss gathers log-probs at the batch's {key!r} (loss_fn.gather_ids_key), which this batch "
+            f"lacks (it holds {sorted(tensors)})"
+        )
     ids = gather_ids_of(loss_fn, tensors)
     if ids is not None:
         check_token_ids(ids, width, who, f"loss_fn.gather_ids_key={loss_fn.gather_ids_key!r}", what)

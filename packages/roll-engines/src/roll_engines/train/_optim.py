@@ -104,7 +104,8 @@ def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fol
 
 
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Load what `save_optimizer` wrote, resharded to this engine's layout (collective on sharded engines)."""
+    """Load what `save_optimizer` wrote, resharded to this engine's layout (collective on sharded engines). A read
+    that fails (a missing or truncated shard) raises and leaves the optimizer's state as it was."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -112,12 +113,28 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fol
     # (keyed by parameter name) alone: the groups' hyperparameters are this run's anyway (the engine reapplies them,
     # roll_engines.train._settings), and the groups' layout may differ from the checkpoint's (checkpoints written
     # before biases and norms got their own no-decay group hold one group: DCP failed on the missing second one).
-    template = get_optimizer_state_dict(model, optimizer)
-    state = {"optimizer": {"state": template["state"]}}
-    with _single_process_dcp():
-        dcp.load(state, checkpoint_id=folder, no_dist=not _distributed())
+    fresh = not optimizer.state  # (a resume's engine: no step yet)
+    template = get_optimizer_state_dict(model, optimizer)  # (DCP fills a fresh optimizer's state: zeros)
+    # DCP reads into the template's tensors, which are the live moments: a read failing half-way left some of
+    # them loaded. A stepped optimizer's are read into copies (a moment of twice its state); a fresh one's live
+    # zeros are dropped again on failure, which leaves it fresh.
+    own = template["state"]
+    staged = own if fresh else {k: {n: _like(v) for n, v in st.items()} for k, st in own.items()}
+    state = {"optimizer": {"state": staged}}
+    try:
+        with _single_process_dcp():
+            dcp.load(state, checkpoint_id=folder, no_dist=not _distributed())
+    except BaseException:  # (DCP's CheckpointException is no Exception)
+        if fresh:
+            optimizer.state.clear()
+        raise
     loaded = {"state": state["optimizer"]["state"], "param_groups": template["param_groups"]}
     set_optimizer_state_dict(model, optimizer, loaded)
+
+
+def _like(value: Any) -> Any:
+    """A tensor's uninitialised copy (same sharding), to read into; anything else as it is."""
+    return torch.empty_like(value) if torch.is_tensor(value) else value
 
 
 @contextlib.contextmanager

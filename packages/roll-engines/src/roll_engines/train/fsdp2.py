@@ -281,6 +281,11 @@ class FSDP2TrainEngine(HFTrainEngine):
         read = lambda: read_adapter(folder, self.model)  # rank 0 also checks the saved rank and alpha
         set_adapter(self.model, L.tensors_from_rank0(read, self.device, str(folder)))
 
-    def _load_full_weights(self, weights: dict[str, Tensor]) -> None:
-        """Shard rank 0's full `weights`: a mismatch (missing, unexpected, misshapen) raises on every rank."""
-        L.load_from_rank0(self.model, weights, self.device)
+    def _check_full_weights(self, weights: dict[str, Tensor]) -> None:
+        """Rank 0's full `weights` checked on rank 0: a mismatch (missing, unexpected, misshapen) raises on every
+        rank (collective)."""
+        L.check_from_rank0(self.model, weights, self.device)
+
+    def _load_full_weights(self, weights: dict[str, Tensor], checked: bool = False) -> None:
+        """Shard rank 0's full `weights`, checked first unless already `checked` (`_check_full_weights`)."""
+        L.load_from_rank0(self.model, weights, self.device, check=not checked)

@@ -65,11 +65,7 @@ from roll_engines.train._logits import (
     gather_ids_of,
     response_outputs,
 )
-from roll_engines.train._lora import (
-    apply_lora,
-    base_model,
-    is_lora,
-)
+from roll_engines.train._lora import apply_lora, base_model, is_lora
 from roll_engines.train._micro import (
     MetricMeans,
     check_micro_batch_tokens,
@@ -467,7 +463,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
             # a trainable token on any rank takes no optimizer step (_micro.mini_batch_units), counted as empty.
             for mb_rows in mini_batch_rows(order, counts, self.dp_rank, mini_batches):
                 self.optimizer.zero_grad(set_to_none=True)
-                metrics, total = self._accumulate(V.take(tensors, mb_rows), loss_fn, temperature, template=tensors)
+                metrics, total = self._accumulate(V.take(tensors, mb_rows), loss_fn, temperature, tensors, True)
                 for k, v, w in metrics:
                     means.add(k, v, w)
                 if total == 0:
@@ -511,14 +507,16 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         return out
 
     def _accumulate(
-        self, mini: dict[str, Any], loss_fn: LossFn, temperature: float, template: dict[str, Any] | None = None
+        self, mini: dict, loss_fn: LossFn, temperature: float, template: dict | None = None, skip: bool = False
     ) -> tuple[list[tuple[str, float, float]], float]:
         """Backward of one mini-batch in micro-batches, each scaled so the sum is the whole mini-batch's gradient.
 
         Every data-parallel rank runs the same number of forward/backward passes (sharded engines' collectives
-        must pair up): a rank with fewer micro-batches adds padding rows whose loss weight is 0.
-        Returns (metric name, value, the micro-batch's units) of the real micro-batches and the mini-batch's units
-        over all ranks.
+        must pair up): a rank with fewer micro-batches adds padding rows whose loss weight is 0; one without a
+        trainable token runs its passes (FSDP's collectives) while another rank has some (masked tokens add no
+        gradient). `skip` (train_step): with none on any rank (units 0: summed over the ranks, so all skip
+        alike) no pass runs and no metric counts. Returns (metric, value, units) of the real micro-batches and the
+        mini-batch's units over all ranks.
         """
         order = self._prompt_order(mini)
         if order is not None:  # micro-batches of rows that share prompts (the mini-batch's rows are unchanged)
@@ -527,6 +525,8 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         micros = [V.take(mini, r) for r in rows]
         total = mini_batch_units(loss_fn, micros, self._all_reduce_sum)  # 0: no trainable token on any rank
         out = []
+        if total == 0 and skip:  # (its passes were wasted, and their metrics of nothing counted in the means)
+            return out, total
         for i in range(self._all_reduce_max(len(micros))):
             real = i < len(micros)
             micro = micros[i] if real else _padding_row(template if template is not None else mini)

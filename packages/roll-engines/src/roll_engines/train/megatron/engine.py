@@ -448,6 +448,11 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         whole gradients on every rank even under the distributed optimizer (whose reduction is a reduce-scatter)."""
         micros = micro_batches(mini, self.micro_batch_size, self.micro_batch_tokens, self.pack_sequences)
         total = mini_batch_units(loss_fn, micros, self._dp_reduce)  # 0: no trainable token on any rank
+        if total == 0:
+            # No schedule, no metrics: every pass would be wasted (a zero loss) and its metrics count nothing. The
+            # units are summed over the data-parallel ranks, and the TP/PP/CP ranks of a replica hold its rows:
+            # every rank skips alike, so no collective goes unpaired. (The gradient buffers stay zero.)
+            return [], total
         micros, real = self._balanced(micros, mini)
         metrics: list[tuple[str, float, float]] = []
 
