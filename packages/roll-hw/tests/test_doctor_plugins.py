@@ -6,12 +6,12 @@ logged once per process, for run logs."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
 
 from roll_hw import detect, doctor
-from roll_hw.cpu import CpuPlatform
 
 
 def _install_dist(root: Path, dist: str, group: str, entries: dict[str, str]) -> None:
@@ -23,19 +23,25 @@ def _install_dist(root: Path, dist: str, group: str, entries: dict[str, str]) ->
     (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
 
 
+#: A replacement of roll-hw's cuda (a CPU under the name, so it runs here): a platform is named as declared.
+_ACME_CUDA = "from roll_hw.cpu import CpuPlatform\n\n\nclass AcmeCuda(CpuPlatform):\n    name = 'cuda'\n"
+
+
 @pytest.fixture
 def site(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    (tmp_path / "roll_acme_doctor_cuda.py").write_text(_ACME_CUDA)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("ROLL_PLATFORM", raising=False)
     detect.clear_cache()
     yield tmp_path
     monkeypatch.undo()
     detect.clear_cache()
+    sys.modules.pop("roll_acme_doctor_cuda", None)
 
 
 def test_a_platform_plugin_that_replaces_a_builtin_is_shown_replacing_it(site: Path) -> None:
-    _install_dist(site, "acme-gpu", detect.GROUP, {"cuda": "roll_hw.cpu:CpuPlatform"})
-    assert detect.get_platform_class("cuda") is CpuPlatform  # the plugin's class runs as "cuda"
+    _install_dist(site, "acme-gpu", detect.GROUP, {"cuda": "roll_acme_doctor_cuda:AcmeCuda"})
+    assert detect.get_platform_class("cuda").__qualname__ == "AcmeCuda"  # the plugin's class runs as "cuda"
     listed = doctor._plugins(detect.GROUP).split(", ")
     assert "cuda (acme-gpu; replaces roll-hw's)" in listed
     assert "cpu (roll-hw)" in listed  # names declared once are listed as before
@@ -53,14 +59,14 @@ def test_a_platform_plugin_that_replaces_a_builtin_is_logged_once(
 ) -> None:
     """Run logs said nothing: "cuda" ran another package's class with no line naming it (only roll-doctor did)."""
     monkeypatch.setattr(detect, "_replacements_logged", set(), raising=False)  # as in a fresh process
-    _install_dist(site, "acme-gpu", detect.GROUP, {"cuda": "roll_hw.cpu:CpuPlatform"})
+    _install_dist(site, "acme-gpu", detect.GROUP, {"cuda": "roll_acme_doctor_cuda:AcmeCuda"})
     with caplog.at_level(logging.INFO, logger="roll_hw.detect"):
-        assert detect.get_platform_class("cuda") is CpuPlatform
+        assert detect.get_platform_class("cuda").__qualname__ == "AcmeCuda"
         detect.clear_cache()  # loaded again (a second resolution in the process): not logged again
-        assert detect.get_platform_class("cuda") is CpuPlatform
+        assert detect.get_platform_class("cuda").__qualname__ == "AcmeCuda"
         detect.get_platform_class("cpu")  # roll-hw's own: nothing to say
     lines = [r.getMessage() for r in caplog.records if r.name == "roll_hw.detect"]
     assert lines == [
-        "platform 'cuda' is the plugin roll_hw.cpu:CpuPlatform from acme-gpu, replacing roll-hw's built-in 'cuda' "
-        "(roll_hw.cuda:CudaPlatform)"
+        "platform 'cuda' is the plugin roll_acme_doctor_cuda:AcmeCuda from acme-gpu, replacing roll-hw's built-in "
+        "'cuda' (roll_hw.cuda:CudaPlatform)"
     ]

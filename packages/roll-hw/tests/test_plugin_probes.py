@@ -184,13 +184,14 @@ def test_roll_hw_metadata_spelled_otherwise_still_declares_the_built_ins(
 
 
 def test_one_plugin_seen_twice_is_not_a_clash(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same target declared twice (one distribution on two sys.path entries) loads as one plugin."""
+    """The same target declared twice (one distribution on two sys.path entries) loads as one plugin (named as its
+    class is: test_plugin_names)."""
     real = detect.entry_points
-    ep = EntryPoint(name="acme", value="roll_hw.cpu:CpuPlatform", group=detect.GROUP)
+    ep = EntryPoint(name="cpu", value="roll_hw.cpu:CpuPlatform", group=detect.GROUP)
     monkeypatch.setattr(detect, "entry_points", lambda group: [*real(group=group), ep, ep])
     detect.clear_cache()
     try:
-        assert detect.get_platform_class("acme") is CpuPlatform
+        assert detect.get_platform_class("cpu") is CpuPlatform
     finally:
         monkeypatch.undo()
         detect.clear_cache()

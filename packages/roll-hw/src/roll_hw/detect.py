@@ -21,7 +21,8 @@ unavailable here, or whose probe raises, gives way to roll-hw's own CPU platform
 roll-hw run from its source folder without being installed (the device checks on a bare machine put `src/` on
 PYTHONPATH) has no entry-point metadata: its declarations are then read from the pyproject.toml beside the
 source, so the one list stays the pyproject's. A plugin that fails to import is reported with its group, name and
-cause rather than being skipped.
+cause rather than being skipped, and so is one whose class's `name` is not the name it is declared under (a Ray
+driver hands `platform.name` to its workers, which resolve the platform by it).
 """
 
 from __future__ import annotations
@@ -122,6 +123,13 @@ def _load(ep: EntryPoint) -> type[Platform]:
         raise PlatformPluginError(f"failed to load {where}: {type(exc).__name__}: {exc}") from exc
     if not (isinstance(obj, type) and issubclass(obj, Platform)):
         raise PlatformPluginError(f"{where} is {obj!r}, not a subclass of roll_hw.Platform")
+    if obj.name != ep.name:
+        # The class's name is what travels: a Ray driver hands `platform.name` to its workers, which resolve it by
+        # name. A plugin declared `acme` whose class kept CudaPlatform's name ran as roll-hw's CUDA in every worker.
+        raise PlatformPluginError(
+            f"{where} is {obj.__module__}.{obj.__qualname__}, whose name is {obj.name!r}: a platform's `name` must "
+            f"be the name it is declared under (workers and {ENV_VAR} resolve it by name); set name = {ep.name!r}"
+        )
     return obj
 
 

@@ -16,7 +16,7 @@ import importlib.util
 import sys
 from collections.abc import Iterable
 
-from roll_hw.detect import _BUILTIN_DIST, GROUP, get_platform_class, platform_names, resolve_platform
+from roll_hw.detect import _BUILTIN_DIST, GROUP, _normalized, get_platform_class, platform_names, resolve_platform
 
 #: Optional engines and libraries: display name -> import name.
 OPTIONAL_ENGINES: dict[str, str] = {
@@ -103,7 +103,9 @@ def _plugins(group: str) -> str:
     out = []
     for name in sorted(found):
         owners = sorted(found[name])
-        others = [d for d in owners if d != _BUILTIN_DIST]
+        # PEP 503 names, as detect compares them: roll-hw's metadata spelled `roll_hw` is still roll-hw (a plugin
+        # replacing its cuda showed as a CLASH, which detect does not raise).
+        others = [d for d in owners if _normalized(d) != _BUILTIN_DIST]
         if len(owners) < 2:
             out.append(f"{name} ({owners[0]})" if owners else name)
         elif group == GROUP and len(others) == 1:

@@ -34,7 +34,8 @@ class PlatformUnavailableError(RuntimeError):
 class Platform:
     """Describes one hardware backend. Subclass it and register the subclass under `roll.platforms`."""
 
-    #: Short unique name used by `ROLL_PLATFORM`, `hw=` configs and the registry ("cpu", "cuda", ...).
+    #: Short unique name used by `ROLL_PLATFORM`, `hw=` configs and the registry ("cpu", "cuda", ...): the name its
+    #: `roll.platforms` entry point declares (roll_hw.detect refuses another; workers resolve the platform by it).
     name: ClassVar[str] = "base"
     #: torch device type ("cpu", "cuda", "npu"); ROCm reuses "cuda" because torch does.
     device_type: ClassVar[str] = "cpu"
