@@ -5,8 +5,9 @@ teacher-forced transformers forward; gradient accumulation over micro-batches is
 advantages raises the sampled tokens' log-probs; `iter_weights` yields every parameter once under its HF name
 with full shapes; a checkpoint written after training loads with plain transformers, and loading it into a fresh
 engine restores the trained weights and the optimizer (the next step equals the uninterrupted run's).
-Critic role (`role="critic"`): `compute_values` gives finite (B, R) values that padding after the response
-(mask 0) does not change, and a value-loss step moves them towards the returns. Base-model log-probs
+Critic role (`role="critic"`): `compute_values` gives finite (B, R) values, each response token's the value of the
+state before it (transformers' token classifier with the engine's weights, run on the unpadded row), that padding
+after the response (mask 0) does not change, and a value-loss step moves them towards the returns. Base-model log-probs
 (`compute_logprobs(..., base=True)`, the reference policy of a LoRA run, `lora_rank=4`): equal to the log-probs
 before any training, unchanged by training while the adapted policy moves away from them; an engine without LoRA
 refuses `base=True` with a ValueError. Top-k scoring (`compute_logprobs(..., topk=K)`, a distillation teacher's
@@ -110,6 +111,20 @@ def reference_log_softmax(model: Any, batch: dict[str, torch.Tensor], temperatur
         ids = torch.cat([prompt, batch["responses"][i, :n]])[None]
         logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n].float()
         out.append(torch.log_softmax(logits / temperature, -1))
+    return out
+
+
+def reference_values(model: Any, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Per row, the values (n_i,) of its n_i response tokens from `model` (a transformers one-label token
+    classifier) run on the row's attended prompt and response tokens alone: token t's value is the score at the
+    position before it (the state prompt + response[:t]; the first token's is the prompt's last position's)."""
+    out = []
+    p = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    for i in range(batch["input_ids"].shape[0]):
+        prompt = batch["input_ids"][i, :p][batch["attention_mask"][i, :p].bool()]
+        n = int(batch["response_mask"][i].sum())
+        ids = torch.cat([prompt, batch["responses"][i, :n]])[None]
+        out.append(model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n, 0].float())
     return out
 
 
@@ -308,6 +323,29 @@ class TrainEngineTestSuite:
         assert metrics["grad_norm"] > 0
         after_error = ((after - batch["returns"]) ** 2)[mask].mean()
         assert after_error < 0.95 * error, f"a value-loss step took the squared error from {error} to {after_error}"
+
+    def test_critic_values_are_the_states_before_each_response_token(self, model_path: str) -> None:
+        """Each response token's value is V(prompt + response[:t]), as transformers' token classifier with the
+        engine's weights scores it on the unpadded row (the contract GAE reads; a value read one position late,
+        V after the token, passes every other critic check)."""
+        from transformers import AutoModelForTokenClassification
+
+        from roll_core.testing.batches import critic_batch
+
+        if self.no_critic:
+            pytest.skip(f"no critic role: {self.no_critic}")
+        batch = critic_batch(model_path)
+        mask = batch["response_mask"]
+        eng = self.build_engine(model_path, lr=1e-3, micro_batch_size=3, role="critic")
+        values = eng.compute_values(self._tensors(batch))["values"]
+        ref = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32).eval()
+        ref.load_state_dict(dict(eng.iter_weights()), strict=True)  # the engine's head (new, seeded) and body
+        with torch.no_grad():
+            want = reference_values(ref, batch)
+        assert float(torch.cat(want).std()) > 1e-3, "the values do not differ by token: the check has no teeth"
+        for i, w in enumerate(want):
+            n = int(mask[i].sum())
+            torch.testing.assert_close(values[i, :n].float(), w, atol=self.logprob_atol, rtol=0, msg=f"row {i}")
 
     def test_base_logprobs_are_the_model_before_its_lora_adapters(
         self, model_path: str, batch: dict[str, torch.Tensor]
