@@ -87,7 +87,7 @@ def test_space_grouped_thousands_are_one_number_where_the_grouping_is_certain() 
     wrong = [
         ("x = 5 000", "0"),
         ("1234 567", "1234567"),  # a first group of four: no grouping
-        ("10 20 300", "10 20300"),  # three numbers side by side, whatever the last two look like
+        ("10 20 300", "20310"),  # three numbers side by side, whatever the last two look like (not 10 + 20300)
         ("3 4", "34"),
         ("(3, 4)", "(3400)"),
         ("3 400", "(3, 400)"),

@@ -11,7 +11,15 @@ alone would be a grouping) and `2023 100` stay as they are. Neither is a run tha
 (`1 234,5`: a decimal comma or a list, no one number), nor one that a decimal exponent follows, after its decimals
 or not (`1 000e5`, `1 234.5E-3`: a thousands grouping and an exponent, which no one writes, are no one number, as
 roll_envs.numeric refuses `1,000e5`; it was read as 1000e5). A comma between digits is untouched (`1,000` is
-roll_envs.numeric's business). Pure Python.
+roll_envs.numeric's business).
+
+`numbers_side_by_side(text)` finds the runs of numbers apart by spacing that `join_digit_groups` leaves: no one
+number, which a grader must not hand to math-verify (it reads `3 4` as 7, `10 20 300` as 330, `5 00` as 5*0, `3 1/2`
+as (3+1)/2 and `1 234,5` as {235, 5}: `\\boxed{5 00}` was right against 0). Spacing here is any of white space (a
+line break too), `\\,`, `\\;`, `\\:`, `\\!`, `\\ `, `~`, `\\quad` and `\\qquad`, one or several (`5  000`); runs
+that continue a number or a symbol (as above: `3.141 592`, `x_1 234`), that are an index or power in braces
+(`a_{1 2}`) or the brace-less arguments of `\\frac`, `\\binom` or `\\sqrt` (`\\frac 1 2` is 1/2) are not such runs.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -27,6 +35,16 @@ _SEPS = re.compile(_SEP)
 _COMMA_DIGIT = re.compile(r",\d")
 #: A decimal exponent after a run, after its decimals or not (`e5`, `.5E-3`): the run is no one number.
 _EXPONENT = re.compile(r"(?:\.\d*)?[eE][-+]?\d+")
+#: Spacing math-verify reads numbers side by side across (`numbers_side_by_side`).
+_SPACING = r"(?:\s|\\[,;:! ]|~|\\q?quad(?![a-zA-Z]))"
+#: The longest stretch of numbers apart by spacing (it starts at a run's first digit: the stretch before it took
+#: any digit and spacing before it).
+_STRETCH = re.compile(rf"(?<!\d)\d+(?:{_SPACING}+\d+)+")
+#: A character before a stretch that it continues (a number or a symbol), as `_RUN`'s look-behind.
+_CONTINUES = re.compile(r"[\w.,^]")
+#: What before a stretch makes it no run of numbers: an index or power in braces, or a command whose brace-less
+#: arguments the digits are (`\frac 1 2`), then spacing.
+_ARGUMENTS = re.compile(rf"(?:[_^]\{{|\\(?:[dtc]?frac|[dt]?binom|sqrt)(?![a-zA-Z])){_SPACING}*$")
 
 
 def join_digit_groups(text: str) -> str:
@@ -34,12 +52,33 @@ def join_digit_groups(text: str) -> str:
     numbers apart by spaces unchanged."""
 
     def join(m: re.Match[str]) -> str:
-        groups = _SEPS.split(m.group())
-        if not _grouping(groups) or _COMMA_DIGIT.match(text, m.end()) or _EXPONENT.match(text, m.end()):
-            return m.group()
-        return "".join(groups)
+        return "".join(_SEPS.split(m.group())) if _joins(text, m) else m.group()
 
     return _RUN.sub(join, text)
+
+
+def numbers_side_by_side(text: str) -> list[tuple[int, int]]:
+    """The (start, end) spans of the runs of numbers apart by spacing in `text` that `join_digit_groups` does not
+    make one number (module docstring: `5 00`, `3 4`, `1 000e5`'s `1 000`, `5  000`), which math-verify reads as a
+    sum or a product of their numbers; a thousands grouping it joins (`1 000`) is none."""
+    joined = {m.span() for m in _RUN.finditer(text) if _joins(text, m)}
+    spans = []
+    for m in _STRETCH.finditer(text):
+        start = m.start()
+        if _CONTINUES.match(text, start - 1) if start else False:
+            continue  # continues a number or a symbol (`3.141 592`, `x_1 234`), as `_RUN`
+        # (A bounded look back: spacing longer than that before the digits is no argument anyway.)
+        if _ARGUMENTS.search(text[max(0, start - 40) : start]) or m.span() in joined:
+            continue
+        spans.append(m.span())
+    return spans
+
+
+def _joins(text: str, m: re.Match[str]) -> bool:
+    """Whether the run `m` of `_RUN` in `text` is one number: a grouping, no comma and digit or exponent after it."""
+    if not _grouping(_SEPS.split(m.group())):
+        return False
+    return not (_COMMA_DIGIT.match(text, m.end()) or _EXPONENT.match(text, m.end()))
 
 
 def grouped_exponents(text: str) -> list[tuple[int, int]]:

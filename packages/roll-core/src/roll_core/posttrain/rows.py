@@ -12,6 +12,10 @@ Contract:
   with more fields than the header has columns: its text was split at an unquoted comma) is recorded in `Skips`
   under a short reason code with its location and detail; a file where every row is bad is a `ConfigError` naming
   the first reason.
+- An integer column with nulls (what pandas writes an int column holding a null as: 3.0 and NaN), top-level or a
+  struct's field, reads as ints and None in Parquet, `datasets` and JSON rows (roll_core.int_columns, as the RL
+  tasks read them): a `prompt_id` of 3.0 was no group id (every rollout row a `wrong_type` skip), an id "3.0".
+  CSV values are text, read as written.
 - `Skips` counts skipped rows per reason (`counts`, the `skipped: dict[str, int]` runs log) and keeps the first
   few details; `check_any(kept, setting)` raises a `ConfigError` naming the first reason when nothing was kept.
 - `stable_fraction(key)` and `held_out(...)`: a deterministic held-out split by a stable hash of each row's
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from roll_core.errors import ConfigError
+from roll_core.int_columns import float_columns, restore_int_columns
 from roll_core.near_duplicates import stable_fraction
 from roll_core.posttrain.config import DATASETS, PYARROW
 
@@ -169,7 +174,8 @@ def _read_file(path: Path, setting: str, skips: Skips) -> list[RawRow]:
             table = pq.read_table(path)
         except Exception as exc:  # pyarrow's message does not name the setting
             raise ConfigError(f"{setting}: cannot read {path} as Parquet ({exc})") from exc
-        return [RawRow(f"{name}:{i + 1}", r, str(path)) for i, r in enumerate(table.to_pylist())]
+        rows = _int_columns(table.to_pylist(), float_columns(table.schema))
+        return [RawRow(f"{name}:{i + 1}", r, str(path)) for i, r in enumerate(rows)]
     if suffix in (".jsonl", ".json"):
         return _read_json(path, setting, skips)
     if suffix == ".csv":
@@ -227,7 +233,15 @@ def _read_datasets(path: Path, setting: str) -> list[dict[str, Any]]:
         ds = ds[splits[0]]
     elif isinstance(ds, datasets.DatasetDict):
         ds = next(iter(ds.values()))
-    return [dict(r) for r in ds]
+    return _int_columns([dict(r) for r in ds], float_columns(ds.data.schema))  # (rows nest as the Arrow table does)
+
+
+def _int_columns(rows: list[dict[str, Any]], floating: Sequence[tuple[str, ...]] | None) -> list[dict[str, Any]]:
+    """`rows` with their integer columns with nulls (pandas' float columns: 3.0 and NaN) as ints and None
+    (roll_core.int_columns): a `prompt_id` of 3.0 was a `wrong_type` skip of every rollout row, an id in text "3.0".
+    `floating`: the Arrow schema's float columns; None for JSON rows (judged by their values)."""
+    restore_int_columns(list(enumerate(rows)), floating)
+    return rows
 
 
 def _read_json(path: Path, setting: str, skips: Skips) -> list[RawRow]:
@@ -254,6 +268,7 @@ def _read_json(path: Path, setting: str, skips: Skips) -> list[RawRow]:
                 numbered.append((lineno, json.loads(line)))
             except json.JSONDecodeError as exc:
                 skips.add(f"{name}:{lineno}", "unreadable", f"invalid JSON ({exc.msg})")
+    _int_columns([item for _, item in numbered if isinstance(item, dict)], None)
     out = []
     for n, item in numbered:
         if isinstance(item, dict):

@@ -34,7 +34,9 @@ Scoring (per response):
   and no other number in the run): in the box, in the truth, in what reaches math-verify (`x = 5 000` was 5 times
   000 to it, right against 0) and in `last_number` alike (`the answer is 5 000` stated 000 there, `5{,}000` too);
   `3 4`, `1234 567` and `10 20 300` are numbers side by side, never merged; a grouping with an exponent
-  (`1 000e5`, as `1,000e5`) is no number: a box holding one is wrong, a truth not judged, no last number. A
+  (`1 000e5`, as `1,000e5`) is no number: a box holding one is wrong, a truth not judged, no last number; so are
+  other numbers side by side in a box or a truth (`5 00`, `3 4`, `3 1/2`, `1 234,5`: math-verify read them as 5*0,
+  3+4, (3+1)/2, {235, 5}, so `\\boxed{5 00}` was right against 0; `_digit_groups.numbers_side_by_side`). A
   unicode minus (U+2212) is a minus sign. (A product of variables written with a space, `3 abc`, therefore equals
   a truth of plain `3`; against a truth `3abc` it is verified symbolically as before.) A percent (`%`, `\\%`, the
   word `percent`) equals its number or its hundredth (`75\\%` = `75` = `0.75`, as in both conventions; math-verify
@@ -104,7 +106,7 @@ from fractions import Fraction
 from roll_core.isolation import CallTimeout, ChildError, ForkedWorker
 from roll_envs.boxed import extract_boxed
 from roll_envs.numeric import MAX_EXPONENT, fractions_equal, parse_number
-from roll_envs.rewards._digit_groups import grouped_exponents, join_digit_groups
+from roll_envs.rewards._digit_groups import grouped_exponents, join_digit_groups, numbers_side_by_side
 from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.rewards.judge import final_text
 
@@ -125,6 +127,9 @@ _UNICODE_MINUS = "\u2212"
 #: number the response states: `last_number` skips it.
 _PART = re.compile(r"[/^_{]$")
 _PART_AFTER = re.compile(r"^(?:/|\}\{|\^)")
+#: A bare decimal exponent before digits (`e5`, `E-3` not after a mantissa: `1 000 then e5`): the digits are no
+#: number the response states (the `e` of a number is `_STATED_NUMBER`'s, never left before its digits).
+_BARE_EXPONENT = re.compile(r"(?<![\w.])[eE][+-]?$")
 #: A LaTeX comma between digits, `5{,}000` or `5\!,\!000` (spacing aside, the comma of `5,000`): read as `,`, so
 #: that what holds for `5,000` (thousands separator or not) holds for it; `5, 000` (a list) is untouched.
 _LATEX_COMMA = re.compile(r"(?<=\d)(?:\\!)*(?:\{,\}|,)(?:\\!)*(?=\d)")
@@ -138,7 +143,8 @@ def last_number(text: str) -> str | None:
     """The last integer or decimal in `text` (thousands separators removed, spaces between thousands groups too
     where the grouping is certain, as `quantity` reads them: `5 000` is 5000; a decimal exponent kept, `1.5e3`, as
     `roll_envs.numeric.parse_number` reads it) that stands alone: not a part of a fraction, power or index
-    (`_PART`); None when there is none, or when the last one has commas that are no thousands grouping (`1,2345`,
+    (`_PART`), nor the digits of a bare exponent (`e5` after no mantissa: `1 000 then e5` gives `1000`, not `5`);
+    None when there is none, or when the last one has commas that are no thousands grouping (`1,2345`,
     `1,5`, `1,2,3`: a decimal comma, a typo or a list written without spaces, no one number it surely states).
     A number with a scale word after it is its value (`5 million` gives `5000000`, `1.5 thousand` `1500`)."""
     text = text.replace(_UNICODE_MINUS, "-")
@@ -146,6 +152,8 @@ def last_number(text: str) -> str | None:
     text = join_digit_groups(_LATEX_COMMA.sub(",", text))
     for m in reversed(list(_STATED_NUMBER.finditer(text))):
         before, after = text[max(0, m.start() - 1) : m.start()], text[m.end() : m.end() + 2]
+        if _BARE_EXPONENT.search(text, max(0, m.start() - 3), m.start()):
+            continue  # `e5`: an exponent of no number, not the number 5
         if not (_PART.search(before) or _PART_AFTER.match(after)):
             if any(s <= m.start() < e for s, e in grouped_exponents(text)):
                 return None  # `1 000e5`: no one number (module docstring), never its `000e5`
@@ -493,7 +501,9 @@ class MathReward(Reward):
             return same_quantity(got, truth)  # exact, units and currency aside (module docstring)
         if truth is None and grouped_exponents(answer):  # `1 000e5`: math-verify reads 000e5 (module docstring)
             return self._bad_truth(f"the ground truth {answer[:80]!r} holds digit groups with an exponent", counters)
-        if got is None and grouped_exponents(boxed):
+        if truth is None and numbers_side_by_side(answer):  # `5 00`, `3 4`: math-verify reads 5*0, 3+4
+            return self._bad_truth(f"the ground truth {answer[:80]!r} holds numbers apart by spaces", counters)
+        if got is None and (grouped_exponents(boxed) or numbers_side_by_side(boxed)):
             return False
         boxed, answer = _for_verify(boxed, got), _for_verify(answer, truth)
         plain = join_digit_groups(boxed.strip())

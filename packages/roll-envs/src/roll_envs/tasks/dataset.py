@@ -35,7 +35,7 @@ saved by Windows editors) is ignored. A number answer is written in plain decima
 what an integer column with a null in it holds in pandas, Arrow and the files written from them, is "3"; its null
 rows are skipped and counted as missing answers); the other columns of such an integer column with nulls, and the
 fields of struct columns that are one (`{"meta": {"id": 3}}`), read as ints and None, not 3.0 and NaN
-(roll_envs.tasks._int_columns), in the rows every file task reads. A float32 (or
+(roll_core.int_columns), in the rows every file task reads. A float32 (or
 float16) value reads as the decimals written (0.1, not 0.10000000149011612), in a flat column or nested in lists,
 structs and maps (a struct answer, metadata columns).
 """
@@ -53,8 +53,9 @@ from pathlib import Path
 from typing import Any
 
 from roll_core.errors import ConfigError
+from roll_core.int_columns import float_columns as _float_columns
+from roll_core.int_columns import restore_int_columns
 from roll_envs.rewards.base import Reward
-from roll_envs.tasks._int_columns import restore_int_columns
 from roll_envs.tasks.base import Problem, Task, eval_file_name, templated_marker
 
 log = logging.getLogger(__name__)
@@ -133,19 +134,6 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
 
 # Arrow type names of the floats narrower than Python's -> their struct format.
 _NARROW_FLOATS = {"float": "<f", "halffloat": "<e"}
-
-
-def _float_columns(schema: Any) -> list[tuple[str, ...]]:
-    """The floating-point columns of an Arrow schema, top-level or a field of structs (`("meta", "id")`), as
-    `restore_int_columns` reads them (values in lists and maps are not columns)."""
-    import pyarrow.types as pat
-
-    def floating(path: tuple[str, ...], t: Any) -> list[tuple[str, ...]]:
-        if pat.is_struct(t):
-            return [p for i in range(t.num_fields) for p in floating((*path, t.field(i).name), t.field(i).type)]
-        return [path] if pat.is_floating(t) else []
-
-    return [p for f in schema for p in floating((f.name,), f.type)]
 
 
 def _children(t: Any) -> list[Any]:
