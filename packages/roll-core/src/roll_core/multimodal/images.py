@@ -3,10 +3,11 @@
 A row's image may be a file path (absolute, or relative to the data file's folder), raw encoded bytes, base64 text
 of those bytes (bare, or a `data:image/...;base64,` URI), a `{"bytes": ..., "path": ...}` dict (what Parquet files
 written by `datasets` hold), a PIL image, or an (H, W), (H, W, 3) or (H, W, 4) uint8 array. A URL is refused: a
-run fetches nothing from the network (download the pictures, give their paths). Anything else, an unreadable file
-or undecodable bytes is a `ValueError` naming what was given (long values shortened): a wrong picture never
-reaches the model silently, and no other exception escapes (a name too long for the file system, a decompression
-bomb), so callers that skip bad rows on ValueError never crash on one.
+run fetches nothing from the network (download the pictures, give their paths). Anything else, an unreadable file,
+undecodable bytes or a picture with a zero side (0 x H) is a `ValueError` naming what was given (long values
+shortened): a wrong picture never reaches the model silently, and no other exception escapes (a name too long for
+the file system, a decompression bomb, an image processor dividing by a zero side), so callers that skip bad rows
+on ValueError never crash on one.
 
 The picture is the one viewers, transformers' `load_image`, `datasets`' Image feature and vLLM show: the EXIF
 orientation is applied (a phone photo stored sideways is upright), and transparency is composited onto white as
@@ -210,9 +211,13 @@ def _decode(src: Any, what: str) -> Any:
 
 def _rgb(im: Any, copy: bool) -> Any:
     """`im` upright (EXIF orientation) and in RGB, transparency composited onto white (module docstring); `im`
-    itself when it already is both and `copy` is False."""
+    itself when it already is both and `copy` is False. A picture with a zero side is a ValueError: it shows
+    nothing, and the image processors divide by its sides (a ZeroDivisionError no caller's `except ValueError`
+    caught: one such observation ended the rollout, not its episode)."""
     from PIL import Image, ImageOps
 
+    if not (im.width and im.height):
+        raise ValueError(f"a picture of {im.width}x{im.height} pixels has no pixels: give one at least 1x1")
     try:
         orientation = im.getexif().get(_ORIENTATION)
     except Exception:  # malformed EXIF: the pixels as stored (what every reader falls back to)
