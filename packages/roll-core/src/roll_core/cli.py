@@ -36,6 +36,7 @@ from roll_core._train_help import (  # noqa: F401  (HELP_*, help_groups: re-expo
     help_groups,
     register_help,
 )
+from roll_core.cli_dry_run import check_printed_config
 from roll_core.config.compose import ConfigError, explain, to_object
 from roll_core.config.search_path import check_package_conflicts, primary_config_path
 from roll_core.errors import MissingExtraError, check_installed, missing_sweep_plugin
@@ -181,6 +182,7 @@ def train_main() -> None:
     known = len(earlier.failed_jobs()) if earlier is not None else 0
     try:
         try:
+            check_printed_config(sys.argv[1:])  # `--cfg job` prints without running: check what a run would refuse
             main()  # its first callback claims the run folder before Hydra writes into it (roll_core.run_folder)
         except FolderRefused as exc:
             raise exc.error from None

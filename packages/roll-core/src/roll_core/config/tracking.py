@@ -3,7 +3,8 @@
 Which backends a run writes to is `pipeline.trackers` (a list: `pipeline.trackers=[tensorboard,wandb]`, the one way
 to pick several); how each one writes is its node here: `tracking.wandb.project=demo`, `tracking.mlflow.tracking_uri
 =http://...`. An option of a backend that is not in `pipeline.trackers` is accepted and unused. Unknown keys are
-errors like everywhere else; an out-of-tree backend reads its options from `tracking.plugins.<its name>` (free-form).
+errors like everywhere else; an out-of-tree backend reads its options from `tracking.plugins.<its name>` (free-form:
+the backend checks them), and a name there that no installed plugin has (or a built-in's) is refused.
 
 Backends receive the whole resolved config (the `config` keyword of `TrackerBackend`) and read their node with
 `backend_options(config, "wandb")`, which validates it again: a backend built by a script, without a composed
@@ -152,9 +153,39 @@ class TrackingConfig:
     sample_max_chars: int = 4000
 
     def __post_init__(self) -> None:
+        for name in self.plugins:
+            _check_plugin_options(str(name))
         _check("samples_per_step", self.samples_per_step >= 0, f"must be >= 0, got {self.samples_per_step}")
         _check(
             "sample_max_chars", self.sample_max_chars >= 0, f"must be >= 0 (0: no limit), got {self.sample_max_chars}"
+        )
+
+
+#: Backends whose options have a typed node of their own (`tracking.<name>`), never read from `tracking.plugins`.
+TYPED_BACKENDS = ("wandb", "mlflow", "swanlab")
+
+
+def _check_plugin_options(name: str) -> None:
+    """Refuse `tracking.plugins.<name>` that no backend reads: a built-in's options (typed, `tracking.wandb.*`; the
+    tensorboard and jsonl backends take none) or a name no installed `roll.trackers` plugin has (a misspelt one):
+    its options were silently dropped while the plugin ran on its defaults."""
+    import difflib
+
+    from roll_core import registry
+
+    if name in TYPED_BACKENDS:
+        raise ValueError(f"tracking.plugins.{name}: {name}'s options are tracking.{name}.<key>, not tracking.plugins")
+    installed = registry.describe("roll.trackers")
+    builtin = sorted(k for k, v in installed.items() if v.startswith("roll_core.") and k not in TYPED_BACKENDS)
+    if name in builtin:
+        raise ValueError(f"tracking.plugins.{name}: the built-in {name} tracker takes no options")
+    plugins = sorted(k for k in installed if k not in TYPED_BACKENDS and k not in builtin)
+    if name not in plugins:
+        close = difflib.get_close_matches(name, plugins, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(
+            f"tracking.plugins.{name}: no installed tracker plugin is named {name!r}{hint}; tracker plugins "
+            f"(roll.trackers entry points): {', '.join(plugins) or 'none'}"
         )
 
 
