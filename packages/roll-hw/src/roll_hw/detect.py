@@ -22,7 +22,8 @@ roll-hw run from its source folder without being installed (the device checks on
 PYTHONPATH) has no entry-point metadata: its declarations are then read from the pyproject.toml beside the
 source, so the one list stays the pyproject's. A plugin that fails to import is reported with its group, name and
 cause rather than being skipped, and so is one whose class's `name` is not the name it is declared under (a Ray
-driver hands `platform.name` to its workers, which resolve the platform by it).
+driver hands `platform.name` to its workers, which resolve the platform by it). `auto` is reserved: it means
+auto-detection, so a plugin declared under it is an error naming it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from roll_hw.interface import Platform, PlatformUnavailableError
 
 GROUP = "roll.platforms"
 ENV_VAR = "ROLL_PLATFORM"
+#: What ROLL_PLATFORM / hw.platform say for auto-detection: no platform may be declared under it (`_declared`).
+AUTO = "auto"
 _BUILTIN_DIST = "roll-hw"
 
 #: The order roll-hw's own platforms are probed in: a CUDA or ROCm build of torch also runs on the CPU, so the
@@ -86,6 +89,7 @@ def _declared() -> tuple[dict[str, EntryPoint], dict[str, EntryPoint]]:
 
     Two out-of-tree distributions declaring one name with different targets are recorded in `_clashes` (the name
     is then an error where used): a dict kept the last one seen, so which platform ran depended on sys.path order.
+    A plugin declared as `auto` is a PlatformPluginError: the name means auto-detection wherever a platform is named.
     """
     own: dict[str, EntryPoint] = {}
     plugins: dict[str, EntryPoint] = {}
@@ -97,6 +101,12 @@ def _declared() -> tuple[dict[str, EntryPoint], dict[str, EntryPoint]]:
         if dist is not None and _normalized(dist.name) == _BUILTIN_DIST:
             own[ep.name] = ep
             continue
+        if ep.name == AUTO:
+            raise PlatformPluginError(
+                f"platform plugin {GROUP}:{AUTO} ({_origin(ep)}) takes the reserved name {AUTO!r}: {ENV_VAR}={AUTO} "
+                f"and hw.platform={AUTO} mean auto-detection, so it could never be chosen by name, and workers told "
+                f"its name would detect again; declare it under a name of its own, or uninstall it"
+            )
         first = plugins.setdefault(ep.name, ep)
         if first.value != ep.value:
             _clashes.setdefault(ep.name, [_origin(first)]).append(_origin(ep))
@@ -211,7 +221,7 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
     """
     from_env = not name
     forced = (name or os.environ.get(ENV_VAR) or "").strip() or None
-    if forced and forced != "auto":
+    if forced and forced != AUTO:
         raw = os.environ.get(ENV_VAR, "")
         source = "requested" if not from_env else f"forced by {ENV_VAR}={raw if raw == forced else repr(raw)}"
         try:

@@ -37,6 +37,7 @@ from roll_engines.train._lora import (
     sync_parents,
 )
 from roll_engines.train._optim import load_optimizer, save_optimizer
+from roll_engines.train._safetensors_file import read_safetensors
 from roll_engines.train._settings import reapply, snapshot
 
 T = TypeVar("T")
@@ -215,11 +216,9 @@ class HFWeightsAndCheckpoints:
     def _read_model_folder(self, folder: Path) -> dict[str, Tensor]:
         """The full state dict of a checkpoint's `model/` folder (sharded engines read it on rank 0 only and
         return {} elsewhere: `_load_full_weights` then takes rank 0's)."""
-        from safetensors.torch import load_file
-
         weights: dict[str, Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
-            weights.update(load_file(f))
+            weights.update(read_safetensors(f))
         return weights
 
     def _check_full_weights(self, weights: dict[str, Tensor]) -> None:

@@ -295,7 +295,7 @@ def read_adapter(folder: Path, model: torch.nn.Module) -> dict[str, Tensor]:
     trained on from a policy that was never the saved one (a changed rank failed only on a tensor shape)."""
     import json
 
-    from safetensors.torch import load_file
+    from roll_engines.train._safetensors_file import read_safetensors
 
     saved = json.loads((folder / "adapter_config.json").read_text())
     ours = model.peft_config[ADAPTER].to_dict()
@@ -306,7 +306,7 @@ def read_adapter(folder: Path, model: torch.nn.Module) -> dict[str, Tensor]:
             + ", ".join(f"{k} (saved {a}, this run {b})" for k, (a, b) in differ.items())
             + ": resume with the saved train_engine.lora_rank and lora_alpha"
         )
-    return load_file(str(folder / "adapter_model.safetensors"))
+    return read_safetensors(folder / "adapter_model.safetensors")
 
 
 def _norm(value: Any) -> Any:

@@ -1,11 +1,13 @@
-"""Megatron optimizer checkpoints: `save_optimizer` / `load_optimizer` write and read a Megatron distributed
-checkpoint of the optimizer state in a layout-independent format (a run resumes at any TP/PP/DP layout, with the same
-kind of optimizer: `optimizer_kind`); on CPU and without Apex/TE: quiet dist_checkpointing calls and the workarounds
-that let Megatron-Core 0.16's distributed optimizer resume correctly (`prime_optimizer_state`,
-`torch_adam_steps_restored`), and the size of an optimizer's state (`optimizer_state_bytes`). A save starts no
-process that outlives it (`in_process_write_results`), and returns once this rank's files are flushed to disk
-(roll_engines.train._hf_checkpoint.fsync_written: Megatron's forked writers fsync their shards, but not the folder
-entries, nor rank 0 its metadata files). Callers run these under the engine's CPU shims."""
+"""Megatron optimizer checkpoints: `save_optimizer` writes, and `read_optimizer` then `write_optimizer` load, a
+Megatron distributed checkpoint of the optimizer state in a layout-independent format (a run resumes at any
+TP/PP/DP layout, with the same kind of optimizer: `optimizer_kind`); on CPU and without Apex/TE: quiet
+dist_checkpointing calls and the workarounds that let Megatron-Core 0.16's distributed optimizer resume correctly
+(`prime_optimizer_state`, `torch_adam_steps_restored`), and the size of an optimizer's state
+(`optimizer_state_bytes`). A save starts no process that outlives it (`in_process_write_results`), and returns once
+this rank's files are flushed to disk (roll_engines.train._hf_checkpoint.fsync_written: Megatron's forked writers
+fsync their shards, but not the folder entries, nor rank 0 its metadata files). A read writes none of the live
+state (`_staged`): a folder that fails to read leaves the optimizer as it was. Callers run these under the engine's
+CPU shims."""
 
 from __future__ import annotations
 
@@ -204,13 +206,11 @@ def save_optimizer(folder: Path, model: Any, optimizer: Any, step: int) -> None:
     fsync_written(folder, rank=rank, coordinator=rank == 0)
 
 
-def load_optimizer(folder: Path, model: Any, optimizer: Any) -> int:
-    """Load what `save_optimizer` wrote into `optimizer` (collective) and return the saved step. The optimizer's
-    configured hyperparameters stay this run's (roll_engines.train._settings); a checkpoint of another optimizer
-    kind, or a folder without one, is refused with what to do."""
+def read_optimizer(folder: Path, model: Any, optimizer: Any) -> dict[str, Any]:
+    """Read what `save_optimizer` wrote, for `write_optimizer` (collective), without writing any of the live state:
+    a read that fails (a missing or truncated shard) raises and leaves the optimizer as it was. A checkpoint of
+    another optimizer kind, or a folder without one, is refused with what to do."""
     from megatron.core import dist_checkpointing
-
-    from roll_engines.train._settings import reapply, snapshot
 
     if not (folder / "metadata.json").exists():
         raise FileNotFoundError(
@@ -224,9 +224,45 @@ def load_optimizer(folder: Path, model: Any, optimizer: Any) -> int:
             "one (train_engine.use_distributed_optimizer; an expert optimizer exists at "
             "expert_model_parallel_size > 1): resume with the settings that saved it (any TP/PP/DP layout)"
         )
+    primed = prime_optimizer_state(optimizer)  # a fresh optimizer's template (zeros), dropped again on failure
+    try:
+        with quiet_dist_checkpointing():
+            return dist_checkpointing.load(
+                _staged(optimizer_state(model, optimizer, 0, loading=True), model, optimizer), str(folder)
+            )
+    except BaseException:  # (DCP's CheckpointException is no Exception)
+        for inner, p in primed:
+            inner.state.pop(p, None)
+        raise
+
+
+def _staged(state: dict[str, Any], model: Any, optimizer: Any) -> dict[str, Any]:
+    """`state` (a sharded state dict to load) with every tensor that is live state (the plain optimizer's template
+    holds Adam's own moments; dist_checkpointing reads into the template's tensors in place: a read failing half-way
+    left some of them loaded) replaced by an uninitialised copy to read into. Tensors the template made for the
+    load (the distributed optimizer's gathered ones) stay as they are: no second copy."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    live = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for opt in parts(optimizer):
+        live.update(p.untyped_storage().data_ptr() for g in opt.optimizer.param_groups for p in g["params"])
+        for st in opt.optimizer.state.values():
+            live.update(t.untyped_storage().data_ptr() for t in st.values() if torch.is_tensor(t))
+    for value in nested_values(state):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and torch.is_tensor(value.data):
+            if value.data.untyped_storage().data_ptr() in live:
+                value.data = torch.empty_like(value.data)
+    return state
+
+
+def write_optimizer(optimizer: Any, loaded: dict[str, Any]) -> int:
+    """Load `read_optimizer`'s state into `optimizer` and return the saved step. The optimizer's configured
+    hyperparameters stay this run's (roll_engines.train._settings)."""
+    from roll_engines.train._settings import reapply, snapshot
+
     configured = snapshot(optimizer)  # this run's weight decay and betas: the checkpoint's would win
     with quiet_dist_checkpointing():
-        loaded = dist_checkpointing.load(optimizer_state(model, optimizer, 0, loading=True), str(folder))
         if optimizer_kind(optimizer).startswith("plain"):
             zero_steps_restored(loaded["optimizer"])
         with torch_adam_steps_restored(optimizer):

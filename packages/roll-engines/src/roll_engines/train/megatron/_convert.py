@@ -431,9 +431,13 @@ def shard(
     return out
 
 
-def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any, head: dict[str, Tensor] | None = None) -> None:
+def load_hf(
+    model: Any, hf: dict[str, Tensor], cfg: Any, head: dict[str, Tensor] | None = None, write: bool = True
+) -> dict[str, Tensor]:
     """Copy an HF state dict into this rank's stage (parallel_state tells TP rank and stage); `head`: a critic's
-    value-head tensors (replicated), which replace the output layer."""
+    value-head tensors (replicated), which replace the output layer. Names and shapes are checked whole before any
+    tensor is copied (a refused load leaves the model as it was); `write=False` only checks, and returns this
+    rank's tensors for `write_mapped` (a checkpoint load writes them once its optimizer state has been read)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -471,10 +475,19 @@ def load_hf(model: Any, hf: dict[str, Tensor], cfg: Any, head: dict[str, Tensor]
     missing, unexpected = sorted(set(own) - set(mine)), sorted(set(mine) - set(own))
     if missing or unexpected:
         raise RuntimeError(f"HF -> Megatron mapping mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    bad = next((k for k, v in mine.items() if own[k].shape != v.shape), None)
+    if bad is not None:
+        raise RuntimeError(f"{bad}: Megatron shape {tuple(own[bad].shape)} vs mapped {tuple(mine[bad].shape)}")
+    if write:
+        write_mapped(model, mine)
+    return mine
+
+
+def write_mapped(model: Any, mine: dict[str, Tensor]) -> None:
+    """Copy `load_hf(..., write=False)`'s checked tensors into `model`."""
+    own = model.state_dict()
     with torch.no_grad():
         for k, v in mine.items():
-            if own[k].shape != v.shape:
-                raise RuntimeError(f"{k}: Megatron shape {tuple(own[k].shape)} vs mapped {tuple(v.shape)}")
             own[k].copy_(v)
 
 
@@ -575,18 +588,3 @@ def to_hf(name: str, t: Any, cfg: Any, offset: int) -> dict[str, Tensor]:
             return {h + f"mlp.experts.{e}.gate_proj.weight": t[0], h + f"mlp.experts.{e}.up_proj.weight": t[1]}
         return {h + f"mlp.experts.{e}.down_proj.weight": t}
     raise KeyError(f"no HF name for Megatron tensor {name!r}")
-
-
-def read_hf(path: str) -> dict[str, Tensor]:
-    """Every tensor of an HF folder's *.safetensors files."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    out: dict[str, Tensor] = {}
-    for f in files:
-        out.update(load_file(f))
-    return out

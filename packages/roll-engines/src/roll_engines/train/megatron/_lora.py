@@ -311,11 +311,13 @@ def save_adapter(folder: Path, state: dict[str, Tensor], config: dict[str, Any])
     save_file(state, str(folder / "adapter_model.safetensors"))
 
 
-def load_adapter(model: Any, hf_config: Any, folder: Path, rank: int, alpha: float) -> None:
-    """Copy a peft adapter folder (ours, or any whose fused projections share A) into this rank's wrappers."""
+def load_adapter(model: Any, hf_config: Any, folder: Path, rank: int, alpha: float, write: bool = True) -> list:
+    """Copy a peft adapter folder (ours, or any whose fused projections share A) into this rank's wrappers, all
+    checked before any is copied; `write=False` only checks, and returns the (wrapper, A, B) to `write_adapter`."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-    from safetensors.torch import load_file
+
+    from roll_engines.train._safetensors_file import read_safetensors
 
     saved = json.loads((folder / "adapter_config.json").read_text())
     if (saved.get("r"), float(saved.get("lora_alpha", 0))) != (rank, float(alpha)):
@@ -328,7 +330,7 @@ def load_adapter(model: Any, hf_config: Any, folder: Path, rank: int, alpha: flo
     other = {k: saved[k] for k in _UNSUPPORTED if saved.get(k) not in (None, False, {}, "none")}
     if other:
         raise ValueError(f"{folder}: the adapter uses {other}, which train_engine=megatron's LoRA does not")
-    state = load_file(str(folder / "adapter_model.safetensors"))
+    state = read_safetensors(folder / "adapter_model.safetensors")
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     offset = get_transformer_layer_offset(model.config)
     used: set[str] = set()
@@ -374,6 +376,13 @@ def load_adapter(model: Any, hf_config: Any, folder: Path, rank: int, alpha: flo
             f"{' ...' if len(left) > 4 else ''}): set train_engine.lora_target_modules to the adapter's "
             f"{saved.get('target_modules')}"
         )
+    if write:
+        write_adapter(loads)
+    return loads
+
+
+def write_adapter(loads: list) -> None:
+    """Copy `load_adapter(..., write=False)`'s checked (wrapper, A, B) triples into the wrappers."""
     with torch.no_grad():
         for m, a, b in loads:
             m.lora_a.copy_(a)

@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from roll_engines.train._hf_checkpoint import fsync_written
+from roll_engines.train._hf_checkpoint import _restored_on_failure, fsync_written
+from roll_engines.train._safetensors_file import read_safetensors_folder
 from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _critic as V
 from roll_engines.train.megatron import _export as X
 from roll_engines.train.megatron import _lora as L
-from roll_engines.train.megatron._checkpoint import load_optimizer, save_optimizer
+from roll_engines.train.megatron._checkpoint import read_optimizer, save_optimizer, write_optimizer
 from roll_engines.train.megatron._optimizer import finish_param_gather
 
 
@@ -49,7 +50,7 @@ class MegatronWeightsAndCheckpoints:
 
     def _weights(self, path: str) -> tuple[dict[str, Tensor], Any, dict[str, Tensor] | None]:
         """(HF tensors of the folder at `path`, the HF config, the critic's value head or None): load_hf's input."""
-        hf = C.read_hf(path)
+        hf = read_safetensors_folder(path)
         return hf, self.hf_config, V.head_tensors(hf, self.hf_config, self._seed) if self.critic else None
 
     def _gather_params(self) -> None:
@@ -138,15 +139,43 @@ class MegatronWeightsAndCheckpoints:
 
     def load(self, folder: str | Path) -> None:
         """Weights from `folder/model` (with LoRA: the adapter from `folder/adapter`; the base stays what
-        `model_path` holds) and the optimizer state from `folder/optimizer`, both at any layout."""
+        `model_path` holds) and the optimizer state from `folder/optimizer`, both at any layout.
+
+        All or nothing: a folder that fails to load (a missing, truncated or misshapen shard, no `optimizer/`)
+        raises and leaves the engine as it was. `model/` (LoRA: `adapter/`) is read, mapped and checked (names,
+        shapes) and the optimizer state read into tensors of its own (_checkpoint.read_optimizer) before anything is
+        written; the adapter is put back (small) if writing the optimizer's state then fails. (The
+        weights were written first: a folder without `optimizer/`, or with a truncated optimizer shard, raised with
+        the new weights loaded, and a misshapen tensor only after the tensors before it had been copied.)"""
         folder = Path(folder)
         self._gather_params()  # no pending all-gather of the old weights may land on the loaded ones
+        mapped = adapter = loaded = None
         with self._shims():
-            if self.lora:
-                L.load_adapter(self.model, self.hf_config, folder / "adapter", self.lora[0], self.lora[1])
+            if self.lora:  # (the base stays what model_path holds; only the adapter was trained)
+                adapter = L.load_adapter(self.model, self.hf_config, folder / "adapter", *self.lora[:2], write=False)
             else:
-                C.load_hf(self.model, *self._weights(str(folder / "model")))
-        if self.optimizer is None:
-            return
-        with self._shims():
-            self._step = load_optimizer(folder / "optimizer", self.model, self.optimizer)
+                mapped = self._mapped(str(folder / "model"))
+            if self.optimizer is not None:
+                loaded = read_optimizer(folder / "optimizer", self.model, self.optimizer)
+        trained = [p for p in self.model.parameters() if p.requires_grad] if self.lora else []
+        with self._shims(), _restored_on_failure(trained):
+            if adapter is not None:
+                L.write_adapter(adapter)
+            if loaded is not None:
+                step = write_optimizer(self.optimizer, loaded)
+            if mapped is not None:  # last: an fp32 model's optimizer parameters are its weights (or views of them)
+                C.write_mapped(self.model, mapped)
+        if loaded is not None:
+            self._step = step
+
+    def _mapped(self, path: str) -> dict[str, Tensor]:
+        """This rank's Megatron tensors of the HF folder at `path`, mapped and checked (names, shapes), nothing
+        written (_convert.load_hf); an error names the folder."""
+        try:
+            return C.load_hf(self.model, *self._weights(path), write=False)
+        except KeyError as e:  # a tensor the mapping needs is not there: a lost shard, or another model's folder
+            raise RuntimeError(f"{path} has no tensor {e}: the folder is incomplete, or not this model's") from e
+        except (RuntimeError, ValueError) as e:
+            if type(e) not in (RuntimeError, ValueError):
+                raise
+            raise type(e)(f"{path}: {e}") from e

@@ -201,7 +201,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
                 V.attach(self.model)
             self.model.to(self.device)
             self._seed = seed
-            C.load_hf(self.model, *self._weights(self.path))
+            C.write_mapped(self.model, self._mapped(self.path))  # checked whole; errors name the folder
             self.lora = (lora_rank, lora_alpha, lora_target_modules) if lora_rank and self.trainable else None
             if self.lora:  # before DDP and the optimizer: they hold the trainable (adapter) parameters only
                 L.apply_lora(self.model, lora_rank, lora_alpha, lora_target_modules, seed)

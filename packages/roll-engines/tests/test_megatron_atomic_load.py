@@ -1,0 +1,163 @@
+"""A `megatron` engine's checkpoint `load` is all or nothing (roll_engines.train.megatron._weights): a folder that
+fails to load raises and leaves the model's weights, the optimizer's state (Adam's moments and step, the distributed
+optimizer's fp32 masters) and the schedule's step as they were. On the old code the weights were written first, so
+a folder without `optimizer/` or with a truncated optimizer shard raised with the new weights loaded, and a
+misshapen tensor was refused only once the tensors before it had been copied. As test_atomic_load.py for the
+hf/fsdp2 engines; TP=PP=1 in this process over gloo, the plain and the distributed optimizer, full and LoRA."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]'")
+pytestmark = pytest.mark.usefixtures("megatron_process_group")
+
+from safetensors import SafetensorError  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+#: What a failed load raises: a clear error, or the reader's own for an unreadable shard (DCP's: a BaseException).
+LOAD_ERRORS = (FileNotFoundError, RuntimeError, ValueError, SafetensorError, CheckpointException)
+
+
+def _engine(tiny: str, distributed: bool, **kw: Any) -> Any:
+    from roll_engines.train.megatron import MegatronTrainEngine
+
+    settings = {"dist_backend": "gloo", "micro_batch_size": 3, "lr": 1e-2, "use_distributed_optimizer": distributed}
+    return MegatronTrainEngine(tiny, **settings, **kw)
+
+
+def _state(engine: Any) -> dict[str, Any]:
+    """Everything a load may change: the weights, the torch optimizers' parameters (the masters) and state, the step."""
+    from roll_engines.train.megatron._checkpoint import parts
+
+    params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    inner = [o.optimizer for o in parts(engine.optimizer)]
+    masters = [p.detach().clone() for o in inner for g in o.param_groups for p in g["params"]]
+    adam = [
+        {k: v.clone() if torch.is_tensor(v) else v for k, v in o.state[p].items()}
+        for o in inner
+        for g in o.param_groups
+        for p in g["params"]
+    ]
+    return {"params": params, "masters": masters, "adam": adam, "step": engine._step}
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["step"] == want["step"]
+    assert got["params"].keys() == want["params"].keys()
+    for name, w in want["params"].items():
+        assert torch.equal(got["params"][name], w), name
+    assert len(got["masters"]) == len(want["masters"]) and len(got["adam"]) == len(want["adam"])
+    for i, (g, w) in enumerate(zip(got["masters"], want["masters"])):
+        assert torch.equal(g, w), f"master {i}"
+    for i, (g, w) in enumerate(zip(got["adam"], want["adam"])):
+        assert g.keys() == w.keys(), i
+        for k in w:
+            assert torch.equal(torch.as_tensor(g[k]), torch.as_tensor(w[k])), (i, k)
+
+
+def _broken(saved: Path, root: Path, how: str) -> Path:
+    """A copy of the checkpoint `saved`, broken `how`."""
+    folder = root / how
+    shutil.copytree(saved, folder)
+    model = folder / "model" / "model.safetensors"
+    if how == "no-optimizer":
+        shutil.rmtree(folder / "optimizer")
+    elif how == "truncated-optimizer-shard":
+        for shard in (folder / "optimizer").glob("*.distcp"):
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif how == "no-adapter":
+        shutil.rmtree(folder / "adapter")
+    elif how in ("missing-model-shard", "misshapen-tensor", "truncated-model-shard"):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(model)
+        if how == "truncated-model-shard":
+            model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+        elif how == "misshapen-tensor":  # the last tensor in name order one row short; the others fine
+            last = sorted(tensors)[-1]
+            save_file({**tensors, last: tensors[last][:-1].contiguous()}, model)
+        else:  # two shards, the second lost
+            names = sorted(tensors)
+            save_file({k: tensors[k] for k in names[: len(names) // 2]}, model)
+    else:
+        raise ValueError(how)
+    return folder
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "distributed"])
+def trained(request: pytest.FixtureRequest, tiny: str, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """(engine, its checkpoint, a function that steps it): a test steps it before its load, so that its state
+    differs from the checkpoint's in every part a load writes (whatever an earlier test's load left)."""
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.testing.batches import toy_batch
+
+    engine = _engine(tiny, request.param)
+    batch, objective = toy_batch(tiny), PolicyObjective()
+    engine.train_step(batch, objective)
+    saved = tmp_path_factory.mktemp("megatron-ckpt") / "saved"
+    engine.save(saved, tiny)
+    return engine, saved, lambda: engine.train_step(batch, objective)
+
+
+FULL = ["no-optimizer", "truncated-optimizer-shard", "missing-model-shard", "misshapen-tensor"]
+FULL += ["truncated-model-shard"]
+
+
+@pytest.mark.parametrize("how", FULL)
+def test_a_failed_load_leaves_the_engine_as_it_was(trained: tuple, tmp_path: Path, how: str) -> None:
+    engine, saved, step = trained
+    step()
+    before = _state(engine)
+    with pytest.raises(LOAD_ERRORS) as got:
+        engine.load(_broken(saved, tmp_path, how))
+    _assert_same(_state(engine), before)
+    if how in ("missing-model-shard", "misshapen-tensor", "truncated-model-shard"):  # the error names the folder
+        assert str(tmp_path / how / "model") in str(got.value), got.value
+    if how == "truncated-model-shard":  # safetensors' own type, with a message that says what is wrong
+        assert isinstance(got.value, SafetensorError) and "incomplete or corrupt" in str(got.value), got.value
+
+
+def test_a_whole_folder_still_loads(trained: tuple) -> None:
+    engine, saved, step = trained
+    step()
+    engine.load(saved)
+    assert engine._step == 1
+
+
+def test_a_fresh_engine_stays_fresh_after_a_failed_load(tiny: str, trained: tuple, tmp_path: Path) -> None:
+    """A resume's engine has no optimizer state yet; the load primes it (zeros) to read into, and drops it again
+    when the read fails: the engine's first step is a fresh Adam's."""
+    from roll_engines.train.megatron._checkpoint import parts
+
+    engine, saved, _ = trained
+    fresh = _engine(tiny, any(type(o).__name__ == "DistributedOptimizer" for o in parts(engine.optimizer)))
+    before = _state(fresh)
+    with pytest.raises(LOAD_ERRORS):
+        fresh.load(_broken(saved, tmp_path, "truncated-optimizer-shard"))
+    assert not any(o.optimizer.state for o in parts(fresh.optimizer))
+    _assert_same(_state(fresh), before)
+
+
+def test_a_failed_lora_load_leaves_the_adapter_as_it_was(tiny: str, tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    from roll_core.pipelines.objectives import PolicyObjective
+    from roll_core.testing.batches import toy_batch
+
+    engine = _engine(tiny, False, lora_rank=4, lora_alpha=8.0)
+    batch, objective = toy_batch(tiny), PolicyObjective()
+    engine.train_step(batch, objective)
+    engine.save(tmp_path / "saved", tiny)
+    engine.train_step(batch, objective)
+    before = _state(engine)
+    for how in ("no-optimizer", "truncated-optimizer-shard", "no-adapter"):
+        with pytest.raises(LOAD_ERRORS):
+            engine.load(_broken(tmp_path / "saved", tmp_path, how))
+        _assert_same(_state(engine), before)
+    engine.load(tmp_path / "saved")
+    assert engine._step == 1
