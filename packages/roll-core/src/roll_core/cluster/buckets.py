@@ -49,12 +49,36 @@ def cast(
 ) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) with floating tensors in `dtype` (what the inference engines hold; None: as they are), except
     those `wide` names, which go in the dtype it gives: weights the engines keep wider than their dtype (a
-    DeepSeek-V3 or GLM-4.5 router and its expert bias in fp32 under bf16), which a cast to `dtype` would round."""
+    DeepSeek-V3 or GLM-4.5 router and its expert bias in fp32 under bf16), which a cast to `dtype` would round.
+    A finite value the cast turns into inf (beyond fp16's range) is a ValueError naming it (`_refuse_overflow`)."""
     wide = wide or {}
     for name, t in named:
         if dtype and t.is_floating_point():
-            t = t.to(getattr(torch, wide.get(name, dtype)))
+            narrowed = t.to(getattr(torch, wide.get(name, dtype)))
+            _refuse_overflow(name, t, narrowed)
+            t = narrowed
         yield name, t
+
+
+def _refuse_overflow(name: str, source: Tensor, cast_to: Tensor) -> None:
+    """Raise where the cast of a finite weight overflowed to inf: an fp32 weight beyond fp16's 65504 became inf in an
+    fp16 engine, which then sampled from NaN logits under the new version with no error. Raised while the bucket is
+    produced, the sync fails and every engine keeps its old weights (roll_core.cluster.weight_sync). Checked only
+    for a target whose range is much narrower than the source's (fp16 from fp32/bf16): bf16 has fp32's range."""
+    if torch.finfo(cast_to.dtype).max * 2 >= torch.finfo(source.dtype).max:
+        return
+    inf = torch.isinf(cast_to)
+    if not bool(inf.any()):
+        return
+    overflowed = inf & torch.isfinite(source)
+    if not bool(overflowed.any()):  # inf already in the trainer's tensor: carried as it is
+        return
+    largest = float(source[overflowed].abs().max())
+    raise ValueError(
+        f"weight sync: {int(overflowed.sum())} value(s) of {name!r} overflow {cast_to.dtype} (largest magnitude "
+        f"{largest:.6g}, the dtype's max {torch.finfo(cast_to.dtype).max:.6g}): the inference engine would hold inf; "
+        "serve in bfloat16 (model.dtype / the inference engine's dtype) or keep these weights in range"
+    )
 
 
 def bucket_nbytes(bucket: Bucket) -> int:
