@@ -199,6 +199,10 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(tokenizer: Any) -> N
         ({"seed": "x"}, "invalid_parameter"),
         ({"n": True}, "unsupported_parameter"),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "invalid_tools"),
+        # A schema that is no object reached the template as is: the model was offered a tool it cannot call right.
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "invalid_tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "invalid_tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]}, "invalid_tools"),
         ({"functions": [{"name": "add", "parameters": {"type": "object"}}]}, "unsupported_parameter"),
         # vLLM's extensions (an agent written for a vLLM server sends them in extra_body): the reply was unconstrained,
         # or did not stop where asked, with nothing to tell the agent.

@@ -7,6 +7,7 @@ test_openai_server.py."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
 from typing import Any
 
@@ -168,25 +169,52 @@ def test_a_repeated_request_that_is_no_retry_gets_a_new_sample_and_counts_as_a_t
 
 
 def test_retries_of_one_request_are_capped(tokenizer: Any) -> None:
-    """A client that retries a request forever gets the recorded reply at most max_turns times, then HTTP 400."""
+    """A client that retries a request forever gets the recorded reply at most MAX_REPLAYS_PER_TURN times, then
+    HTTP 400."""
+    from roll_core.agentic.agent_sessions import MAX_REPLAYS_PER_TURN
+
     engine = SlowScriptedEngine(tokenizer, ["one", "two"], delay=0.0)
     sessions, server = serve(engine, tokenizer)
     try:
         sessions.open("c", PARAMS, SessionLimits(max_turns=2, max_context_length=1024))
-        client = openai_client(server, "c")
-        hi = [{"role": "user", "content": "a"}]
-        first = client.chat.completions.create(model="m", messages=hi).choices[0].message.content
-        again = [
-            client.chat.completions.create(model="m", messages=hi, extra_headers=RETRY).choices[0].message.content
-            for _ in range(2)
-        ]
-        with pytest.raises(openai.BadRequestError) as exc:
-            client.chat.completions.create(model="m", messages=hi, extra_headers=RETRY)
-        assert exc.value.code == "too_many_retries"
+        hi = json.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}]}).encode()
+        url = server.base_url("c") + "/chat/completions"
+        first = post_json(url, hi)[1]["choices"][0]["message"]["content"]
+        again = [post_json(url, hi, RETRY) for _ in range(MAX_REPLAYS_PER_TURN)]
+        status, refused = post_json(url, hi, RETRY)
         session = sessions.close("c")
     finally:
         server.close()
-    assert first == "one" and again == ["one", "one"] and engine.requests == 1 and session.replays == 2
+    assert status == 400 and refused["error"]["code"] == "too_many_retries"
+    assert first == "one" and {r[1]["choices"][0]["message"]["content"] for r in again} == {"one"}
+    assert engine.requests == 1 and session.replays == MAX_REPLAYS_PER_TURN
+
+
+def test_the_retry_cap_is_per_turn_so_a_slow_engines_retries_do_not_refuse_later_turns(tokenizer: Any) -> None:
+    """A slow engine and a client with a short timeout: every turn is answered to retries that waited for it (here
+    two per turn, as the openai client's default max_retries sends). The cap counted replays over the episode
+    (max_turns of them): the third turn's retry got 400 too_many_retries, for a turn that was sampled and recorded
+    (trained) while the agent never saw it. Each turn's retries are now capped on their own."""
+    engine = SlowScriptedEngine(tokenizer, ["one", "two", "three"], delay=0.0)
+    sessions, server = serve(engine, tokenizer)
+    try:
+        sessions.open("s", PARAMS, SessionLimits(max_turns=3, max_context_length=1024))
+        url = server.base_url("s") + "/chat/completions"
+        messages: list[Any] = [{"role": "user", "content": "a"}]
+        seen = []
+        for turn in range(3):
+            body = json.dumps({"model": "m", "messages": messages}).encode()
+            post_json(url, body)  # the original: its client timed out, the reply went nowhere
+            answers = [post_json(url, body, {"x-stainless-retry-count": str(k)}) for k in (1, 2)]
+            assert [status for status, _ in answers] == [200, 200], answers
+            reply = answers[-1][1]["choices"][0]["message"]
+            seen.append(reply["content"])
+            messages += [reply, {"role": "user", "content": f"u{turn}"}]
+        session = sessions.close("s")
+    finally:
+        server.close()
+    assert seen == ["one", "two", "three"] and engine.requests == 3 and session.replays == 6
+    assert session.traj.turns == 3 and session.rewrites == 0
 
 
 def test_a_closed_session_answers_410_to_requests_and_reward_reports(tokenizer: Any) -> None:

@@ -167,7 +167,8 @@ def test_without_aiohttp_the_openai_backend_names_the_extra(monkeypatch: pytest.
 class ChatServer:
     """A chat-completions server on 127.0.0.1, run by a daemon thread: the reply to a request is scripted by the
     first key of `script` found in its last message, as ("reply", text) | ("cut", text: finish_reason length) |
-    ("slow", seconds) | ("status", code, times: then Score: 10) | ("garbage",); without a key, `judge(last
+    ("slow", seconds) | ("status", code, times[, headers]: then Score: 10) | ("garbage",) | ("huge", padding bytes:
+    Score: 10); without a key, `judge(last
     message)`. Records every body and header, and the most requests open at once."""
 
     def __init__(
@@ -183,6 +184,7 @@ class ChatServer:
         self.attempts: collections.Counter[str] = collections.Counter()
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_post("/moved/chat/completions", self.moved)  # a 302 to the real route
         self.runner = web.AppRunner(app, shutdown_timeout=0.1)  # a slow handler is cut off at stop
         self.loop = asyncio.new_event_loop()
         sock = socket.socket()
@@ -211,7 +213,9 @@ class ChatServer:
             if action[0] == "slow":
                 await asyncio.sleep(action[1])
             elif action[0] == "status" and self.attempts[key] <= action[2]:
-                return web.Response(status=action[1], text="overloaded")
+                return web.Response(status=action[1], text="overloaded", headers=(action[3:] or [None])[0])
+            elif action[0] == "huge":  # a good reply padded to action[1] bytes of content
+                text += " " * action[1]
             elif action[0] == "garbage":
                 return web.Response(text='{"choices": [', content_type="application/json")
             message = {"role": "assistant", "content": text}
@@ -220,6 +224,11 @@ class ChatServer:
             return web.json_response({"object": "chat.completion", "choices": [choice]})
         finally:
             self.open -= 1
+
+    async def moved(self, request: Any) -> Any:
+        from aiohttp import web
+
+        raise web.HTTPFound("/v1/chat/completions")
 
     async def _shutdown(self) -> None:
         await self.runner.cleanup()
@@ -672,3 +681,38 @@ def test_a_close_right_after_the_engine_is_built_fails_the_rows(monkeypatch: pyt
     replies = backend.complete([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]])
     assert [r.kind for r in replies] == ["error", "error"]
     assert all("shut down" in r.detail for r in replies)
+
+
+def test_a_retry_after_that_is_no_finite_number_is_the_backoffs(server: ChatServer) -> None:
+    """`Retry-After: nan` became a wait of nan seconds, which asyncio.sleep never ends: the row waited for the whole
+    batch_timeout_s and counted as a timeout. It is the backoff's wait now (as an HTTP date is)."""
+    server.script["nan"] = ("status", 503, 1, {"Retry-After": "nan"})
+    reward = _reward(server.url, batch_timeout_s=15)
+    t0 = time.perf_counter()
+    res = reward.score(["nan"], ["4"], ["q"], [{"domain": "d"}])
+    assert time.perf_counter() - t0 < 8  # before: 15 s, the whole batch_timeout_s
+    assert (res.counters["judge_retries"], res.counters["judge_timeouts"]) == (1, 0)
+    assert server.attempts["nan"] == 2 and res.scores == pytest.approx([1.0])
+
+
+def test_a_reply_over_the_size_cap_is_an_error_read_no_further(
+    server: ChatServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that answers a huge body was read whole into memory (200 MB of reply took 600 MB of the reward
+    worker) and judged. A reply over MAX_REPLY_BYTES is now an error, not retried (here with a cap of 10 kB)."""
+    from roll_envs.rewards import remote
+
+    monkeypatch.setattr(remote, "MAX_REPLY_BYTES", 10_000)
+    server.script["huge"] = ("huge", 50_000)
+    res = _reward(server.url).score(["huge", "good"], ["4"] * 2, ["q"] * 2, [{"domain": "d"}] * 2)
+    assert (res.counters["judge_errors"], res.counters["judge_retries"]) == (1, 0) and server.attempts["huge"] == 1
+    assert res.failed == [True, False] and res.scores == pytest.approx([-1.0, 0.9])
+
+
+def test_a_redirect_that_drops_the_post_is_an_error_naming_it(server: ChatServer) -> None:
+    """A 302 made aiohttp ask the target with a GET, without the conversation: the row was an error "HTTP 405"
+    that named no redirect (or, from a server that answers GETs, a reply to no request). It names the redirect."""
+    moved = server.url.removesuffix("/v1") + "/moved"
+    replies = _reward(moved).backend.complete([[{"role": "user", "content": "good"}]])
+    assert replies[0].kind == "error" and "302 to /v1/chat/completions" in replies[0].detail
+    assert server.bodies == [] and replies[0].retries == 0

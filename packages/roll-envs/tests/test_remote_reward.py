@@ -81,6 +81,16 @@ class Script:
                 return web.Response(status=400, text="unknown field")
             if route == "list":
                 return web.json_response([0.5, 1.0][: len(rows)])
+            if route == "huge":  # good rows padded to 50 kB, with a Content-Length
+                return web.json_response({**ok, "padding": " " * 50_000})
+            if route == "hugestream":  # the same, chunked: no Content-Length tells its size
+                stream = web.StreamResponse(headers={"Content-Type": "application/json"})
+                await stream.prepare(request)
+                await stream.write(json.dumps(ok)[:-1].encode() + b', "padding": "')
+                for _ in range(50):
+                    await stream.write(b" " * 1000)
+                await stream.write(b'"}')
+                return stream
             if route == "echo":
                 self.rows += rows
                 self.auth.append(request.headers.get("Authorization"))
@@ -92,7 +102,15 @@ class Script:
                 ok["counters"] = {"service_cache_hits": len(rows)}
             return web.json_response(ok)
 
+        async def moved(request: web.Request) -> web.Response:
+            self.calls["moved"] = self.calls.get("moved", 0) + 1
+            raise web.HTTPFound(f"/answered?from={request.match_info['how']}")
+
+        async def answered(request: web.Request) -> web.Response:  # not the rows: no request body came (a GET)
+            return web.json_response({"rows": [{"score": 1.0, "correct": 1}]})
+
         app = web.Application()
+        app.add_routes([web.post("/moved/{how}", moved), web.get("/answered", answered)])
         app.add_routes([web.post("/{route}", handle)])
         return app
 
@@ -203,6 +221,37 @@ def test_failures_are_counted_rows(server: Any) -> None:
     assert "HTTP 400" in reward.last_failure and "unknown field" in reward.last_failure
     # A bare list of numbers is a reply too.
     assert _remote(f"{base}/list").score(["a", "b"], ["", ""]).scores == [0.5, 1.0]
+
+
+def test_a_reply_over_the_size_cap_is_malformed_and_read_no_further(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply body was read whole into memory whatever its size (200 MB of reply took 600 MB of the reward worker).
+    One over MAX_REPLY_BYTES (here 10 kB) is malformed, its rows counted, not retried; sized or chunked."""
+    from roll_envs.rewards import remote
+
+    script, base = server
+    monkeypatch.setattr(remote, "MAX_REPLY_BYTES", 10_000)
+    for route in ("huge", "hugestream"):
+        reward = _remote(f"{base}/{route}", max_retries=2)
+        res = reward.score(["a", "b"], ["a", "b"])
+        assert res.failed == [True, True] and res.counters["remote_malformed"] == 2, route
+        assert res.counters["remote_retries"] == 0 and script.calls[route] == 1, route
+        assert reward.last_failure is not None and "over 10000 bytes" in reward.last_failure
+    monkeypatch.setattr(remote, "MAX_REPLY_BYTES", 100_000)  # under the cap: scored
+    assert _remote(f"{base}/hugestream").score(["a", "bb"], ["a", "x"]).scores == [1.0, 2.0]
+
+
+def test_a_redirect_that_drops_the_post_is_a_counted_error(server: Any) -> None:
+    """A 302 (an http -> https proxy, a moved route) made aiohttp ask its target with a GET, without the rows, and
+    whatever answered that was taken as their scores: here 1.0, correct, for a row nobody scored. It is an error
+    naming the redirect, not retried."""
+    script, base = server
+    reward = _remote(f"{base}/moved/302", max_retries=2)
+    res = reward.score(["a"], ["b"])
+    assert res.failed == [True] and res.scores == [0.0] and res.correct == [0.0]
+    assert (res.counters["remote_errors"], res.counters["remote_retries"], script.calls["moved"]) == (1, 0, 1)
+    assert reward.last_failure is not None and "302 to /answered" in reward.last_failure
 
 
 def test_a_request_that_breaks_unforeseen_is_a_counted_error(server: Any, caplog: pytest.LogCaptureFixture) -> None:

@@ -38,8 +38,11 @@ the openai clients, is 1 or more): a repeated request that is not a retry (an ag
 for another sample) is sampled anew, as any request that does not extend the conversation (a history rewrite,
 below). A retry that arrives while the original still runs waits for it and gets its reply. (Without this, the
 retry no longer extended the conversation, which now ended in the unseen reply: a history rewrite that dropped the
-turns the agent had seen, or a 400 it could not recover from.) An episode gets at most `max_turns` replays (HTTP
-400 `too_many_retries` after that), so a client that retries forever cannot outlast its turn limit.
+turns the agent had seen, or a 400 it could not recover from.) Each reply is replayed at most
+`MAX_REPLAYS_PER_TURN` times (HTTP 400 `too_many_retries` after that), so a client that retries forever cannot
+outlast its turn limit; the cap is per turn, not per episode: a slow engine and an impatient client (every turn a
+timeout and its retries, each waiting retry answered) used up an episode-wide cap of `max_turns` within a few turns,
+and the agent got a 400 for a turn that was sampled and trained.
 
 A turn request the engine aborts on its own (preemption) is resumed from the tokens it generated, within the turn's
 budget (counted in `resumed`), so the agent never sees an engine's abort as the end of its session (a stop string the
@@ -129,6 +132,8 @@ ABORTED_RETRY_AFTER_S = 1
 RESTARTING_RETRY_AFTER_S = 10
 #: Closed session ids remembered (to answer 410, not 404): a bounded memory for a run of many episodes.
 CLOSED_KEPT = 1 << 16
+#: Replays of one recorded reply (module docstring): above any openai client's max_retries in practice.
+MAX_REPLAYS_PER_TURN = 32
 
 
 @dataclass(frozen=True)
@@ -177,7 +182,8 @@ class AgentSession:
         self.current_key: str | None = None
         self.claim = threading.Lock()
         self.last_reply: tuple[str, Reply] | None = None
-        self.replays = 0
+        self.replays = 0  # across the episode (agent/replayed_requests)
+        self.turn_replays = 0  # of `last_reply` (what MAX_REPLAYS_PER_TURN caps)
 
     # ---- one turn -----------------------------------------------------------------------------------------
     def context_for(self, turn: ChatTurn) -> tuple[list[int], list[int], bool]:
@@ -381,16 +387,17 @@ class AgentSessions:
             # Only a retry is answered again: an agent that repeats a request on purpose wants a new sample (its
             # client does not retry, program= clients never do), and replaying to it looped until the timeout.
             if retry and session.last_reply is not None and session.last_reply[0] == key and not session.closed:
-                if session.replays >= session.limits.max_turns:  # a client retrying forever: refused, not looped
+                if session.turn_replays >= MAX_REPLAYS_PER_TURN:  # a client retrying forever: refused, not looped
                     raise SessionError(
                         400,
                         "too_many_retries",
-                        f"session {sid}: {session.replays} retries answered, as many as the episode's max_turns",
+                        f"session {sid}: {session.turn_replays} retries of this request answered, the most per turn",
                     )
                 session.replays += 1
+                session.turn_replays += 1
                 return session.last_reply[1]
             reply = self._chat(session, turn)
-            session.last_reply = (key, reply)
+            session.last_reply, session.turn_replays = (key, reply), 0
             return reply
         finally:
             session.lock.release()

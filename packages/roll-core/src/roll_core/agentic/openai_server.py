@@ -157,11 +157,17 @@ def chat_turn(body: Any) -> ChatTurn:
             and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str)
             and t["function"]["name"]
+            # A schema that is no object ("parameters": "x") reached the template as is (OpenAI answers 400).
+            and isinstance(t["function"].get("parameters", {}), (dict, type(None)))
+            and isinstance(t["function"].get("description", ""), (str, type(None)))
             for t in tools
         )
         if not ok:  # a function without a name reached the template, and the model was offered a tool it cannot call
             raise SessionError(
-                400, "invalid_tools", 'tools must be a list of {"type": "function", "function": {"name": ...}}'
+                400,
+                "invalid_tools",
+                'tools must be a list of {"type": "function", "function": {"name": ..., "description"?: str, '
+                '"parameters"?: {JSON schema object}}}',
             )
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):

@@ -97,9 +97,10 @@ def gives_up_on_refusal(seen: list[Any]) -> Callable[[str, str, Any], float]:
     return gives_up
 
 
-def post_json(url: str, body: bytes) -> tuple[int, Any]:
-    """POST `body` (JSON bytes, sent as is) to `url`: (HTTP status, the JSON answer), errors included."""
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+def post_json(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """POST `body` (JSON bytes, sent as is) to `url` with `headers` besides the JSON Content-Type: (HTTP status, the
+    JSON answer), errors included."""
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req) as resp:
             return resp.status, json.loads(resp.read())

@@ -20,8 +20,10 @@ special. Called by the reward on each field before the template is filled (roll_
   timeouts. A retry whose wait would end past that deadline is not waited for: the row is an error at once (its
   last failure), not a timeout the judge never had a chance to avoid. A reply cut off by max_tokens without any
   text (`content: null`, finish_reason `length`: a reasoning judge that spent its budget thinking) is an ok reply
-  with empty text, marked truncated. Each call runs its own event loop (asyncio.run), so the backend works in any
-  thread and in a forked child. The server tokenises as it likes: `judged_text` neutralises the special-token
+  with empty text, marked truncated. A reply body longer than `MAX_REPLY_BYTES` (roll_envs.rewards.remote) is an
+  error, read no further, as is a 301/302/303 redirect (followed with a GET, without the request); a Retry-After
+  that is no finite number is the backoff's. Each call runs its own event loop (asyncio.run), so the backend works
+  in any thread and in a forked child. The server tokenises as it likes: `judged_text` neutralises the special-token
   spellings of the common families and of `special_tokens` (the judge model's own, when known) with a U+200B
   after their first character (roll_envs.rewards._special_spellings).
 - `EngineBackend`: an inference engine built from an infer-engine config through roll-core's plugin registry
@@ -45,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -176,6 +179,8 @@ class OpenAIBackend:
     async def _one(self, session: Any, limit: asyncio.Semaphore, messages: Messages, deadline: float) -> Reply:
         import aiohttp
 
+        from roll_envs.rewards.remote import MAX_REPLY_BYTES, read_reply, redirected
+
         body = {**self.body, "messages": messages}
         retries, last = 0, ""
         async with limit:
@@ -183,7 +188,13 @@ class OpenAIBackend:
                 delay = min(self.retry_backoff_s * 2**attempt, self.max_backoff_s)
                 try:
                     async with session.post(self.url, json=body) as resp:
-                        text = await resp.text(errors="replace")
+                        moved = redirected(self.url, resp)
+                        if moved is not None:
+                            return Reply("error", detail=moved, retries=retries)
+                        text = await read_reply(resp)
+                        if text is None:  # a server that sends that much will again: not retried
+                            detail = f"HTTP {resp.status} reply over {MAX_REPLY_BYTES} bytes"
+                            return Reply("error", detail=detail, retries=retries)
                         if resp.status == 200:
                             return _chat_reply(text, retries)
                         last = f"HTTP {resp.status}: {text[:200]}"
@@ -211,9 +222,11 @@ class OpenAIBackend:
 def _retry_after(header: str | None, default: float) -> float:
     """Seconds a Retry-After header asks for (numeric form), capped; `default` without one."""
     try:
-        return min(max(float(header), 0.0), MAX_RETRY_AFTER_S) if header else default
+        seconds = float(header) if header else default
     except ValueError:  # the HTTP-date form: use our own backoff
         return default
+    # "nan" slept for ever (asyncio.sleep(nan) waits for no deadline): the row a timeout at batch_timeout_s.
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S) if math.isfinite(seconds) or seconds > 0 else default
 
 
 def _chat_reply(text: str, retries: int) -> Reply:

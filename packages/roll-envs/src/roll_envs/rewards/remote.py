@@ -18,6 +18,8 @@ Protocol (JSON over HTTP POST to `url`; `roll_envs.rewards.serve` is a reference
   which rows they are is not known; when they are all the reply's remaining rows, those score `error_score`).
   Behind roll-core's reward guard such a batch is scored again row by row, where each reply's count names its
   row (the guard never counts a failed row it cannot flag): a service that marks its failed rows saves that cost.
+  A reply body is read up to `MAX_REPLY_BYTES` (the scores of a batch take kilobytes): a longer one is malformed
+  (its rows counted, not retried) and read no further, so a broken service cannot fill the reward worker's memory.
 
 Failures are counted rows, never an exception out of `score`. A failed row scores `error_score`, with
 correct = formatted = 0, counts in `unscored` (roll-core's reward guard counts those rows in `failed_rows`, so a
@@ -26,7 +28,9 @@ through its RewardFailureBudget, instead of training on `error_score` forever), 
 except `remote_retries`):
 - `remote_timeouts`: its request got no answer within `timeout_s`, on every try;
 - `remote_errors`: connection errors, an HTTP status other than 200 (the last try's), or anything else that broke a
-  request (rows JSON cannot encode, such as metadata keyed by tuples; a reply nested too deep to decode);
+  request (rows JSON cannot encode, such as metadata keyed by tuples; a reply nested too deep to decode); a
+  301/302/303 redirect (aiohttp follows it with a GET, without the rows: whatever answered that was no verdict on
+  them; 307/308 keep the POST and are followed), not retried;
 - `remote_malformed`: a reply that is not JSON or has the wrong number of rows (every row of the request), or a
   row whose score is missing, not a number or not finite, whose `correct`/`formatted` is not 0/1 or whose
   `failed` is not a JSON boolean (that row);
@@ -72,6 +76,8 @@ COUNTERS = ("remote_timeouts", "remote_errors", "remote_malformed", "remote_fail
 _RETRY_STATUSES = {429}
 #: Characters of a failed reply's body kept in the log line.
 _EXCERPT = 200
+#: Longest reply body read, bytes (module docstring); the LLM judge's backend reads its replies with the same cap.
+MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
@@ -274,7 +280,12 @@ class RemoteReward(Reward):
             retry_after: float | None = None
             try:
                 async with session.post(self.url, data=payload, timeout=timeout) as resp:
-                    text = await resp.text(errors="replace")
+                    moved = redirected(self.url, resp)
+                    if moved is not None:
+                        raise _Failed("remote_errors", moved)
+                    text = await read_reply(resp)
+                    if text is None:  # a service that sends that much will again: not retried
+                        raise _Failed("remote_malformed", f"HTTP {resp.status} reply over {MAX_REPLY_BYTES} bytes")
                     if resp.status == 200:
                         return text
                     failure = _Failed("remote_errors", f"HTTP {resp.status} from {self.url}: {text[:_EXCERPT]!r}")
@@ -397,6 +408,39 @@ def _retry_after(value: str | None) -> float | None:
         return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError, IndexError):
         return None
+
+
+def redirected(url: str, resp: Any) -> str | None:
+    """Why the aiohttp response `resp` to a POST to `url` answers no POST: a 301/302/303 redirect that aiohttp
+    followed with a GET, without the body (None when the POST arrived)."""
+    if resp.method == "POST":
+        return None
+    hops = ", ".join(f"{h.status} to {h.headers.get('Location')}" for h in resp.history)
+    return (
+        f"{url} redirected ({hops}) and the POST became a GET without its body: set the URL to the address that "
+        "answers the POST"
+    )
+
+
+async def read_reply(resp: Any) -> str | None:
+    """An aiohttp response's body as text (its charset, else UTF-8; bytes it cannot decode replaced), or None when
+    it is longer than `MAX_REPLY_BYTES`, read no further (aiohttp's `text()` read any length into memory: 200 MB of
+    reply took 600 MB)."""
+    import codecs
+
+    limit = MAX_REPLY_BYTES
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > limit:
+            return None
+    try:
+        encoding = codecs.lookup(resp.charset or "utf-8").name
+    except LookupError:  # an unknown charset: UTF-8, as aiohttp reads it
+        encoding = "utf-8"
+    return bytes(body).decode(encoding, errors="replace")
 
 
 def _run(coro: Any) -> Any:
