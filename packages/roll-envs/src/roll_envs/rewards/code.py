@@ -30,12 +30,21 @@ Scoring (per response):
 
 Counters (responses, each at most once per kind): `no_code` (no fenced block), `wrong_answers`, `runtime_errors`
 (non-zero exit, exception, memory exhausted), `timeouts`, `output_limits`, `sandbox_errors` (the sandbox itself
-failed: a broken installation shows up here, not as wrong answers) and `bad_answers` (malformed ground truth).
-A response with a sandbox error or a malformed ground truth is not judged: `RewardResult.failed` marks it (roll's
-reward guard counts it in `failed_unscored`, and a step where every row failed counts toward the run's failure
-budget) instead of it being trained on as a wrong answer. A test whose expected output is longer than
+failed: a broken installation shows up here, not as wrong answers; the first one's cause is logged),
+`bad_answers` (malformed ground truth) and `unfinished` (the call's `time_budget_s` ran out first).
+A response with a sandbox error, a malformed ground truth or an unfinished run is not judged: `RewardResult.failed`
+marks it (roll's reward guard counts it in `failed_unscored`, and a step where every row failed counts toward the
+run's failure budget) instead of it being trained on as a wrong answer. A test whose expected output is longer than
 `max_output_bytes` counts as a malformed ground truth too (logged): the program that prints it would be killed at
 the output budget, so no answer could pass it.
+
+Time budget: roll's reward guard gives `score` its `time_budget_s` and cuts the call off after its batch timeout,
+which lost every score of a batch slower than that (hanging programs: rows x timeout_s / parallelism) and rescored
+it row by row, one sandbox at a time, until it gave up on the rest. With the budget, a test starts only when its
+program clock (`timeout_s`) plus a second for the sandbox's start ends before it, so the call returns in time with
+the rows judged so far; the others are `unfinished`. Not bounded by it: a start slower than that second (its own
+clock allows 10 s) and a wait for a sandbox slot held by another concurrent call; the guard's cut-off then
+applies.
 
 Covers: stdin/stdout programs in the interpreter's standard library, floating-point answers (`float_tolerance`).
 Does not cover: function-call tests, special judges (several right outputs), ~~~ fences, third-party packages
@@ -48,6 +57,7 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +71,7 @@ from roll_envs.sandbox import (
     SANDBOX_ERROR,
     TIMEOUT,
     PythonSandbox,
+    RunResult,
     SandboxLimits,
     make_sandbox,
 )
@@ -74,9 +85,10 @@ _OPEN_FENCE = re.compile(r"( {0,3})(`{3,})([^`]*)")
 _CLOSE_FENCE = re.compile(r" {0,3}(`{3,})\s*")
 _TAG = re.compile(r"[A-Za-z0-9_+-]*")
 _PYTHON_TAGS = {"python", "py", "python3"}
-# Decimal numbers only: float() also takes "nan", "inf", "1_000" and surrounding spaces.
-_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
-_INTEGER = re.compile(r"[+-]?\d+")
+# Decimal numbers only: float() also takes "nan", "inf", "1_000" and surrounding spaces, and ASCII digits only: a
+# Unicode \d and float() take any script's digits (a program printing a fullwidth "０.５" passed for 0.5).
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+_INTEGER = re.compile(r"[+-]?\d+", re.ASCII)
 _SEPARATOR = re.compile(r"(\s+)")
 # Sandbox status -> counter of the response.
 _COUNTER = {
@@ -85,9 +97,12 @@ _COUNTER = {
     OUTPUT_LIMIT: "output_limits",
     SANDBOX_ERROR: "sandbox_errors",
 }
-COUNTERS = ("no_code", "wrong_answers", *_COUNTER.values(), "bad_answers")
+COUNTERS = ("no_code", "wrong_answers", *_COUNTER.values(), "bad_answers", "unfinished")
+#: Seconds a sandbox start is allowed before a test under a time budget (starts take ~0.1 s; the start clock's 10 s
+#: would leave a small budget, the guard's row-by-row 27 s, room for one test).
+_START_ALLOWANCE_S = 1.0
 #: Kinds that say nothing about the response: its row is `failed`, not wrong.
-_UNJUDGED = {"sandbox_errors", "bad_answers"}
+_UNJUDGED = {"sandbox_errors", "bad_answers", "unfinished"}
 
 
 @dataclass(frozen=True)
@@ -242,7 +257,7 @@ class CodeReward(Reward):
             raise ValueError(f"float_tolerance must be > 0 and < 1 (e.g. 1e-6) or null, got {float_tolerance}")
         self.score_mode, self.parallelism, self.max_tests = score_mode, parallelism, max_tests
         self.format_weight, self.float_tolerance = format_weight, float_tolerance
-        self._warned_output = False
+        self._warned_output = self._warned_sandbox = False
         limits = SandboxLimits(
             timeout_s=timeout_s,
             memory_mb=memory_mb,
@@ -258,14 +273,20 @@ class CodeReward(Reward):
             logger=log,
         )
 
-    def score(self, responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+    def score(
+        self, responses: Sequence[str], answers: Sequence[str], *, time_budget_s: float | None = None
+    ) -> RewardResult:
+        """Scores of `responses[i]` run against the tests of `answers[i]` (module docstring). `time_budget_s`
+        (roll's reward guard gives it): no test starts unless its program clock and a second for the start fit
+        before then, and rows not judged by then are `unfinished` (module docstring), the finished ones kept."""
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
         counters = dict.fromkeys(COUNTERS, 0)
         if not responses:
             return RewardResult(scores=[], correct=[], formatted=[], counters=counters)
+        deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
         with ThreadPoolExecutor(max_workers=min(self.parallelism, len(responses))) as pool:
-            results = list(pool.map(self._score_one, responses, answers))
+            results = list(pool.map(self._score_one, responses, answers, [deadline] * len(responses)))
         scores, correct, formatted, failed = [], [], [], []
         for score, ok, has_code, kinds in results:
             scores.append(score)
@@ -276,8 +297,11 @@ class CodeReward(Reward):
                 counters[kind] += 1
         return RewardResult(scores=scores, correct=correct, formatted=formatted, counters=counters, failed=failed)
 
-    def _score_one(self, response: str, answer: str) -> tuple[float, bool, bool, set[str]]:
-        """(score, all passed, has code, counter kinds) of one response."""
+    def _score_one(
+        self, response: str, answer: str, deadline: float | None = None
+    ) -> tuple[float, bool, bool, set[str]]:
+        """(score, all passed, has code, counter kinds) of one response; `unfinished` when a test would not end
+        before `deadline` (a monotonic time)."""
         answer_text = final_text(response) if isinstance(response, str) else None  # after the reasoning
         code = extract_code(answer_text) if answer_text is not None else None
         if code is None:
@@ -301,14 +325,33 @@ class CodeReward(Reward):
                 )
             return bonus, False, True, {"bad_answers"}
         passed, kinds = 0, set()
+        limits = self.sandbox.limits
         for test in tests:
+            if deadline is not None and time.monotonic() + _START_ALLOWANCE_S + limits.timeout_s > deadline:
+                return bonus, False, True, {"unfinished"}  # the caller's time, not the program's, ran out
             res = self.sandbox.run(code, test.input)
             if res.status == OK and outputs_match(res.stdout, test.output, self.float_tolerance):
                 passed += 1
                 continue
+            if res.status == SANDBOX_ERROR:
+                self._log_sandbox_error(res)
             kinds.add("wrong_answers" if res.status == OK else _COUNTER[res.status])
             if self.score_mode == "all_pass":
                 break
         all_passed = passed == len(tests)
         score = float(all_passed) if self.score_mode == "all_pass" else passed / len(tests)
         return score + bonus, all_passed, True, kinds
+
+    def _log_sandbox_error(self, res: RunResult) -> None:
+        """Log the first sandbox error's cause (the counter alone never said why: a bind bwrap refused, a start past
+        its clock); later ones are only counted."""
+        if self._warned_sandbox:
+            return
+        self._warned_sandbox = True
+        log.warning(
+            "code reward: the sandbox failed (exit %s after %.1fs, stderr: %s); its row is not judged (counted in "
+            "sandbox_errors; later ones are only counted)",
+            res.returncode,
+            res.seconds,
+            " | ".join(res.stderr.strip().splitlines()[-3:]) or "none",
+        )
