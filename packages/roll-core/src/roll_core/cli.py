@@ -7,9 +7,10 @@ each group's options without their schemas, the composed config: roll_core._trai
 Config errors (unknown keys, wrong types, failed invariants) print one explained message and exit 2 instead
 of a traceback, and so does a missing optional dependency of the chosen components (one line naming the pip
 extra, checked before anything is built), and a platform this machine cannot run (hw.platform, $ROLL_PLATFORM; one
-line saying why, exit 2); any other error propagates with its full traceback. The job's return
-value is the run summary (final and best held-out accuracy), which Hydra sweepers optimise. A relative
-`pipeline.output_dir` is a folder under the directory roll-train was started in, also with `hydra.job.chdir=true`.
+line saying why, exit 2), and flags Hydra refuses together (`-m` with `--cfg job`: one line, exit 2); any other
+error propagates with its full traceback. The job's return value is the run summary (final and best held-out
+accuracy), which Hydra sweepers optimise. A relative `pipeline.output_dir` is a folder under the directory
+roll-train was started in, also with `hydra.job.chdir=true`.
 Exit status of a signal (roll_core.pipelines.run_control): a run stopped by SIGINT/SIGTERM before its last step
 exits 128 + N after its checkpoint; one whose signal came in its last step or later is complete and exits 0 (its
 summary says what the signal skipped); one stopped while its pipeline was built says `stopped while building the
@@ -36,7 +37,7 @@ from roll_core._train_help import (  # noqa: F401  (HELP_*, help_groups: re-expo
     help_groups,
     register_help,
 )
-from roll_core.cli_dry_run import check_printed_config
+from roll_core.cli_dry_run import check_printed_config, command_line_clash
 from roll_core.config.compose import ConfigError, explain, to_object
 from roll_core.config.search_path import check_package_conflicts, primary_config_path
 from roll_core.errors import MissingExtraError, check_installed, missing_sweep_plugin
@@ -172,6 +173,10 @@ def train_main() -> None:
     sys.argv[1:] = run_dir_overrides(sys.argv[1:])
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         sys.argv[1:] = _with_override(sys.argv[1:], f"hydra/help={register_help()}")
+    clash = command_line_clash(sys.argv[1:])  # `-m --cfg job`: Hydra's ValueError was a traceback with exit 1
+    if clash is not None:
+        print(f"roll-train: {clash}", file=sys.stderr)
+        sys.exit(2)
     main = hydra.main(version_base=None, config_path=conf_path, config_name="rlvr")(_hydra_task)
     from roll_core.run_folder import FolderRefused, release_claimed
     from roll_core.sweep_stop import SweepStopped

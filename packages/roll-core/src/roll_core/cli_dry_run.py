@@ -10,6 +10,9 @@ line Hydra's parser refuses (Hydra reports it), and `--config-path` (a folder Hy
 module). A config whose interpolations cannot be resolved outside a run (`${hydra:...}`, `${oc.env:...}` set only
 where it runs) is warned about and printed, as sweep jobs' are before they start (roll_core.sweep_checks), and
 so is a mandatory value left to the user (`???`, experiment=sweep_tiny's env.path): what it is to set.
+`command_line_clash(argv)` is the one-line reason Hydra would refuse the command's flags together (`-m` with
+`--cfg job`, `--resolve` without `--cfg`): Hydra raised a ValueError past roll-train's handling, a traceback with
+exit 1, where roll-train says it in one line with exit 2 (a usage error).
 """
 
 from __future__ import annotations
@@ -22,12 +25,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_printed_config", "printed_config_args"]
+__all__ = ["check_printed_config", "command_line_clash", "printed_config_args"]
 
 
-def printed_config_args(argv: list[str]) -> Namespace | None:
-    """Hydra's parsed command line when `argv` asks it to print the job's config (`--cfg job` or `--cfg all`, one
-    run), else None."""
+def _hydra_args(argv: list[str]) -> Namespace | None:
+    """Hydra's parse of roll-train's command line; None when Hydra's parser refuses it (Hydra reports that)."""
     from hydra._internal.utils import get_args_parser
 
     try:
@@ -35,6 +37,45 @@ def printed_config_args(argv: list[str]) -> Namespace | None:
         with contextlib.redirect_stderr(io.StringIO()):
             args, _ = get_args_parser().parse_known_args(argv)
     except SystemExit:
+        return None
+    return args
+
+
+def command_line_clash(argv: list[str]) -> str | None:
+    """Why Hydra would refuse the flags of `roll-train <argv>` together (its _run_hydra checks, after --help and
+    --hydra-help, which win), in one line; None when it would not."""
+    args = _hydra_args(argv)
+    if args is None or args.help or args.hydra_help:
+        return None
+    if args.resolve and args.cfg is None:
+        return "--resolve only goes with --cfg (or --help): it resolves the interpolations of the printed config"
+    given = [
+        flag
+        for flag, on in (
+            ("-m/--multirun", args.multirun),
+            (f"--cfg {args.cfg}", args.cfg is not None),
+            ("-r/--run", args.run),
+            ("--info", args.info is not None),
+            ("--shell-completion", args.shell_completion),
+        )
+        if on
+    ]
+    if len(given) < 2:
+        return None
+    hint = ""
+    if args.multirun and args.cfg is not None:
+        hint = (
+            ": a sweep has one config per job; to print one job's, leave out -m and give that job's values "
+            "(roll-train --cfg job algo.lr=1e-6, not algo.lr=1e-6,3e-6)"
+        )
+    return f"{' and '.join(given)} cannot be used together{hint}"
+
+
+def printed_config_args(argv: list[str]) -> Namespace | None:
+    """Hydra's parsed command line when `argv` asks it to print the job's config (`--cfg job` or `--cfg all`, one
+    run), else None."""
+    args = _hydra_args(argv)
+    if args is None:
         return None
     if args.cfg not in ("job", "all") or args.multirun or args.help or args.hydra_help or args.info:
         return None

@@ -315,7 +315,8 @@ def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:
     Raises:
         ConfigError: the tokenizer cannot be loaded (model.tokenizer names no tokenizer), or a model.stop_tokens
             entry is not one of its tokens (a preset of another model family: model=qwen2_5 on a llama checkpoint).
-            Both were tracebacks from transformers or the sampling setup after the engine had started.
+            Both were tracebacks from transformers or the sampling setup after the engine had started. Or a
+            model.chat_template_kwargs key the chat template does not read (roll_core.pipelines.template_kwargs).
     """
     from transformers import AutoTokenizer
 
@@ -328,6 +329,9 @@ def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:
             f"{key}={source}: no tokenizer could be loaded from it ({exc}): point {key} at a folder or hub id "
             "holding the model's tokenizer"
         ) from exc
+    from roll_core.pipelines.template_kwargs import check_template_kwargs
+
+    check_template_kwargs(tokenizer, cfg.model.chat_template_kwargs, model_path=path)  # a misspelt key is ignored
     try:
         return tokenizer, sampling_params(cfg, tokenizer)
     except ValueError as exc:  # a stop token the tokenizer does not have

@@ -1,4 +1,5 @@
-"""Checks roll's Ray launcher (roll_core.sweep_launcher) runs on a batch of sweep jobs before any of them starts.
+"""Checks roll's launchers run on a batch of sweep jobs before any of them starts: the Ray launcher
+(roll_core.sweep_launcher) and the basic one (`check_basic_batch`: hydra_plugins.roll_basic_launcher, the default).
 
 Contract:
 - `check_job_configs` refuses (ConfigError naming the job and its overrides) a job whose config roll would refuse
@@ -66,6 +67,22 @@ def check_job_configs(cfgs: Sequence[DictConfig], job_overrides: Sequence[Sequen
                 ) from exc
     finally:
         hydra_config.cfg = saved
+
+
+def check_basic_batch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> None:
+    """`check_job_configs` for a batch of Hydra's basic (in-process) launcher, before its first job runs: `launcher`
+    holds the multirun's `config` and `hydra_context` (its config loader composes each job's config as the launcher
+    will). That launcher composed and ran its jobs one after another, so a bad value's job failed only after the
+    jobs before it had trained (`roll-train -m algo.group_size=2,0` trained job 0 first)."""
+    assert launcher.config is not None and launcher.hydra_context is not None
+    cfgs: list[DictConfig] = []
+    for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+        with open_dict(cfg):  # as BasicLauncher.launch sets them (the message names the job by its number)
+            cfg.hydra.job.id = idx
+            cfg.hydra.job.num = idx
+        cfgs.append(cfg)
+    check_job_configs(cfgs, job_overrides)
 
 
 def task_resources(remote: Any) -> dict[str, float]:

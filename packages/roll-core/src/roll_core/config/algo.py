@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from roll_core.config.checks import one_of, positive, positive_or_null
 
+#: Advantage estimators that compare the responses of one prompt with each other (algo.group_size >= 2).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gigpo")
+
 
 def algo_choices() -> dict[str, tuple[str, ...]]:
     """The names `algo.*` accepts, from where they are implemented (defined once, never copied here).
@@ -265,7 +268,7 @@ class AlgoConfig:
         self._check_attention_credit()
         if self.group_size < 1:
             raise ValueError(f"algo.group_size={self.group_size} must be >= 1")
-        if self.adv_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gigpo") and self.group_size < 2:
+        if self.adv_estimator in GROUP_ESTIMATORS and self.group_size < 2:
             raise ValueError(
                 f"algo.adv_estimator={self.adv_estimator} compares samples of one prompt: set algo.group_size >= 2"
             )

@@ -67,7 +67,9 @@ def explain(exc: BaseException) -> str:
     from omegaconf.errors import OmegaConfBaseException
 
     chain = exception_chain(exc)
-    lines = [line for e in chain for line in str(e).strip().splitlines()]
+    # An exception raised with None as its message (antlr's NoViableAltException under Hydra's override parser
+    # error) reads "None": a stray last line of the message.
+    lines = [line for e in chain if e.args != (None,) for line in str(e).strip().splitlines()]
     # Hydra suggests "+key=value" for unknown keys, which a structured config rejects too; OmegaConf repeats
     # its message as an unformatted template. Neither helps a user.
     lines = [ln for ln in lines if ln.strip() and not ln.startswith("To append to your config") and "$VALUE" not in ln]

@@ -4,11 +4,13 @@ Contract: every training or inference engine's schema (roll_engines.config, out-
 these dataclasses; the root config (roll_core.config.schema.RLVRConfig) types `train_engine`/`infer_engine` by them,
 so the pipeline reads these fields typed whatever engine is installed. `__post_init__` refuses bad values with the
 key's name; `resolve_sleep_level` fills the run-dependent default of `infer_engine.sleep_level`, and
-`refuse_sleeping_engines` refuses a level above 0 in an asynchronous run.
+`refuse_sleeping_engines` refuses a level above 0 in an asynchronous run; `warn_low_group_temperature` warns about
+near-greedy sampling with a group-relative estimator (every group's advantages zero).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +22,13 @@ from roll_core.config.checks import one_of, positive
 
 # Weight dtypes a model or an engine may name (model.dtype, infer_engine.dtype).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+#: A sampling temperature below this, with a group-relative estimator (GRPO, RLOO, ...), is warned about: the
+#: responses of a prompt then come out (nearly) all the same, their rewards equal, their advantages zero, and the
+#: run learns (nearly) nothing. A warning, not an error: a sharp model may still differ at this temperature.
+GROUP_TEMPERATURE_WARN = 0.05
+#: Pipelines whose training does not use the estimator's advantages (roll.collectors names).
+_NOT_RL_PIPELINES = ("sft", "dpo", "distill", "distill_offline", "rollout")
 
 
 @dataclass
@@ -198,6 +207,30 @@ class InferEngineConfig:
         self.sleep_level = resolve_sleep_level(
             self.sleep_level, colocated=colocated, accelerator=accelerator, async_rollout=async_rollout
         )
+
+
+def warn_low_group_temperature(temperature: float, estimator: str, group_size: int, pipeline: str) -> bool:
+    """Log a warning (and return True) when RL sampling at `temperature` (infer_engine.temperature) is below
+    GROUP_TEMPERATURE_WARN while a group-relative estimator (`estimator`, roll_core.config.algo.GROUP_ESTIMATORS)
+    compares `group_size` > 1 responses per prompt: near-greedy samples of one prompt are identical, so every
+    group's advantages are zero. Only exactly-greedy temperatures are refused (InferEngineConfig)."""
+    from roll_core.config.algo import GROUP_ESTIMATORS
+
+    if pipeline in _NOT_RL_PIPELINES or estimator not in GROUP_ESTIMATORS or group_size < 2:
+        return False
+    if temperature >= GROUP_TEMPERATURE_WARN:
+        return False
+    logging.getLogger(__name__).warning(
+        "infer_engine.temperature=%g with algo.adv_estimator=%s (group_size=%d): below %g the %d responses of a "
+        "prompt come out nearly identical, so their rewards are equal and their group-relative advantages zero (no "
+        "learning signal); sample at a higher temperature (e.g. 0.6-1.0)",
+        temperature,
+        estimator,
+        group_size,
+        GROUP_TEMPERATURE_WARN,
+        group_size,
+    )
+    return True
 
 
 def resolve_sleep_level(

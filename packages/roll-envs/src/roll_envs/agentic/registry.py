@@ -12,7 +12,9 @@ only its module.
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 GROUP = "roll.agentic_envs"
@@ -43,15 +45,22 @@ def make_env(name: str, **kwargs: Any) -> Any:
         ValueError: `name` is neither installed nor `<prefix>:<id>`; the message lists what is.
         roll_core.registry.PluginLoadError: the environment's module failed to import (names the cause).
     """
+    return env_factory(name)(**kwargs)
+
+
+def env_factory(name: str) -> Callable[..., Any]:
+    """What `make_env(name, **kwargs)` calls with the keyword arguments: the environment's class, or an adapter's
+    class with the id bound (`functools.partial`), so that its signature lists the keywords it takes. Raises as
+    `make_env` does."""
     if name in _installed():
         from roll_core.registry import load
 
-        return load(GROUP, name)(**kwargs)
+        return load(GROUP, name)
     prefix, sep, env_id = name.partition(":")
     if sep and prefix in PREFIXES:
         if not env_id:
             raise ValueError(f"env {name!r}: write {prefix}:<id>")
-        return _load_adapter(PREFIXES[prefix])(env_id, **kwargs)
+        return functools.partial(_load_adapter(PREFIXES[prefix]), env_id)
     import difflib
 
     close = difflib.get_close_matches(name, _installed(), n=1)

@@ -23,12 +23,46 @@ import hashlib
 import pickle
 import random
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from roll_core.interfaces import Env
 
 #: The first demonstration episode's seed; later ones count down from it.
 DEMO_SEED_TOP = 2**31 - 1
+
+
+def check_env_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any], env: str) -> None:
+    """ConfigError naming `env.env_kwargs.<key>` for a keyword the environment's constructor (`factory`, the
+    environment `env`'s class) does not take, with a did-you-mean and the arguments it takes, and for an argument it
+    needs that is not given. A misspelt key was a bare TypeError from the constructor ("unexpected keyword
+    argument"), which named neither the config key nor what is accepted. A constructor taking `**kwargs` (the GEM
+    and Gym adapters pass them on) or one whose signature cannot be read is left to its own checks."""
+    import difflib
+    import inspect
+
+    from roll_core.errors import ConfigError
+
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    named = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    accepted = [p.name for p in named]
+    takes = ", ".join(accepted) or "no arguments"
+    for key in kwargs:
+        if key not in accepted:
+            close = difflib.get_close_matches(str(key), accepted, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"env.env_kwargs.{key}: {env} takes no argument {key!r}{hint}; it takes: {takes}")
+    missing = [p.name for p in named if p.default is inspect.Parameter.empty and p.name not in kwargs]
+    if missing:
+        raise ConfigError(
+            f"env.env_kwargs: {env} needs {', '.join(missing)} (+env.env_kwargs.{missing[0]}=<value>); "
+            f"it takes: {takes}"
+        )
 
 
 class AgenticTask:
@@ -69,7 +103,8 @@ class AgenticTask:
         self.on_failure, self.failure_reward = on_failure, float(failure_reward)
         self.eval_size, self.eval_seed_offset = eval_size, eval_seed_offset
         self._system_prompt = system_prompt
-        probe = self.make_env()  # fails here, with the registry's message, for an unknown name or bad kwargs
+        # fails here, with the registry's message for an unknown name, a ConfigError for bad env_kwargs
+        probe = self.make_env()
         # A dataset-backed environment's training rows left out as held out and its held-out rows neither trained
         # nor evaluated (skyrl:<id>'s split_rows), for the run's metrics and summary
         # (roll_core.interfaces.tasks.DataCounts); None for seeded games (nothing to count).
@@ -141,13 +176,16 @@ class AgenticTask:
                     f"env={self.env!r}: cannot load {module}.{cls} ({exc}); the module must be importable wherever "
                     "environments run (env workers on Ray: install it or put its folder on PYTHONPATH)"
                 ) from exc
+            check_env_kwargs(env_cls, self.env_kwargs, self.env)
             return env_cls(**self.env_kwargs)
-        from roll_envs.agentic.registry import make_env
+        from roll_envs.agentic.registry import env_factory
 
         kwargs = dict(self.env_kwargs)
         if self.env.startswith("skyrl:"):  # a dataset-backed env: it maps held-out seeds to held-out rows
             kwargs.setdefault("eval_seed_offset", self.eval_seed_offset)
-        return make_env(self.env, **kwargs)
+        factory = env_factory(self.env)
+        check_env_kwargs(factory, kwargs, self.env)
+        return factory(**kwargs)
 
     def system_prompt(self) -> str | None:
         """The configured system prompt, else the environment's own instructions (rules and action format)."""
