@@ -64,6 +64,9 @@ class TrainEngineRuntime(_TrainRole, _Placement, total=False):
     warmup_steps: int
     #: Optimizer steps of the run (the LR schedule's horizon).
     total_steps: int
+    #: Optimizer steps per training step (algo.ppo_epochs x mini-batches): a checkpoint records it with the schedule's
+    #: count, and a resume with another number re-bases the count to as many training steps of its own plan.
+    optimizer_steps_per_step: int
     lr_schedule: str
     max_grad_norm: float
 

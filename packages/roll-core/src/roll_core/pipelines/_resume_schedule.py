@@ -1,19 +1,22 @@
-"""A resumed run whose settings change the optimizer steps a training step takes: where its LR schedule goes on.
+"""A resumed run whose settings change the optimizer steps a training step takes: the LR schedule is re-based.
 
 The train engines' LR schedule (algo.warmup_steps, algo.lr_schedule over pipeline.max_steps x algo.ppo_epochs x
 mini-batches optimizer steps: roll_core.pipelines.wiring.optimizer_schedule) counts optimizer steps, and a checkpoint
-keeps that count. A resume that changes the optimizer steps per training step (algo.num_mini_batches,
-algo.mini_batch_size, algo.ppo_epochs, or pipeline.rollout_batch_size with a mini_batch_size) takes effect, but the
-saved count is then read against the new plan: 2 mini-batches -> 1 at step 5 of 10 under a cosine schedule puts the
-schedule at its end (optimizer step 10 of 10), and the remaining steps trained at LR 0 with nothing said but an INFO
-line listing the changed key. `schedule_shift` says so, as a warning naming where the schedule goes on, where a run
-planned with the new settings would be and what the LR becomes. A changed pipeline.max_steps alone moves nothing:
-the count is that of a run planned with the new length from its start.
+keeps that count with the optimizer steps per training step it was taken at (the engines' runtime key
+`optimizer_steps_per_step`). A resume that changes that number (algo.num_mini_batches, algo.mini_batch_size,
+algo.ppo_epochs, or pipeline.rollout_batch_size with a mini_batch_size) has every train engine, actor and critics
+alike, re-base the count to as many training steps of the new plan (roll_engines.train._settings.rebased): the run
+goes on where a run with the new settings from its start would be, as a changed pipeline.max_steps alone keeps the
+count (a run planned with the new length). Before, the saved count was read against the new plan: 2 mini-batches ->
+1 at step 5 of 10 under a cosine schedule put the schedule at its end and the remaining steps trained at LR 0.
+`schedule_rebase` says so in one INFO line (from -> to, the LR it gives). Adam's own step counts (its bias
+correction) are not re-based: they count the updates the moments took.
 
 May assume: `saved` is the checkpoint's config as a plain nested dict (roll_core.checkpoint.CheckpointManager
-.read_config), `cfg` this run's typed config. The count is an estimate: steps that skipped every optimizer step
-(non-finite) or trained nothing did not advance it, so the checkpoint's count is at most `step` x its steps per
-training step.
+.read_config), `cfg` this run's typed config. The "from" count is an estimate: steps that skipped every optimizer
+step (non-finite) or trained nothing did not advance it, so the checkpoint's count is at most `step` x its steps per
+training step (the engines scale the count they hold). A checkpoint written before the engines recorded their steps
+per training step keeps its count (the engines cannot tell what it was counted at).
 """
 
 from __future__ import annotations
@@ -32,16 +35,16 @@ from roll_core.pipelines.wiring import mini_batches
 log = logging.getLogger(__name__)
 
 
-def warn_schedule_shift(folder: Path, cfg: Any) -> str | None:
-    """Log (WARNING) and return `schedule_shift`'s message for a resume from checkpoint `folder` under `cfg`; None
+def log_schedule_rebase(folder: Path, cfg: Any) -> str | None:
+    """Log (INFO) and return `schedule_rebase`'s message for a resume from checkpoint `folder` under `cfg`; None
     (nothing logged) when the schedule keeps its place or the checkpoint records no config (an older roll's)."""
     saved = CheckpointManager.read_config(Path(folder))
     if saved is None:
         return None
     step = int(json.loads((Path(folder) / "state.json").read_text())["step"])
-    message = schedule_shift(saved, cfg, step)
+    message = schedule_rebase(saved, cfg, step)
     if message is not None:
-        log.warning("%s", message)
+        log.info("%s", message)
     return message
 
 
@@ -51,10 +54,10 @@ def optimizer_steps_per_step(cfg: Any) -> int:
     return int(cfg.algo.ppo_epochs) * mini_batches(cfg)
 
 
-def schedule_shift(saved: Mapping[str, Any], cfg: Any, step: int) -> str | None:
-    """A warning when resuming at checkpoint `step` under `cfg` moves the LR schedule off the position a run with
-    `cfg`'s settings from the start would have (see the module docstring); None when it does not (same optimizer
-    steps per training step, or a constant schedule whose warm-up is over either way).
+def schedule_rebase(saved: Mapping[str, Any], cfg: Any, step: int) -> str | None:
+    """A line saying where the LR schedule goes on when resuming at checkpoint `step` under `cfg`: re-based from the
+    checkpoint's optimizer-step count to `step` x this run's optimizer steps per training step (see the module
+    docstring); None when the count stays (same optimizer steps per training step, or a config of another shape).
 
     Args:
         saved: the checkpoint's config (a plain nested dict).
@@ -72,22 +75,12 @@ def schedule_shift(saved: Mapping[str, Any], cfg: Any, step: int) -> str | None:
     done, planned = step * old, step * new  # the checkpoint's count (at most), a run planned so from the start
     total = int(cfg.pipeline.max_steps) * new
     warmup = int(algo.warmup_steps)
-    if algo.lr_schedule == "constant" and min(done, planned) >= warmup:
-        return None  # the LR is algo.lr at either position
-    lr_now, lr_planned = (
-        _multiplier(algo.lr_schedule, warmup, total, done),
-        _multiplier(algo.lr_schedule, warmup, total, planned),
-    )
-    ended = algo.lr_schedule != "constant" and done >= total and total > warmup
+    lr = _multiplier(algo.lr_schedule, warmup, total, planned)
     return (
         f"resumed at step {step} with {new} optimizer steps per training step (algo.ppo_epochs x mini-batches), "
-        f"the checkpoint's {old}: the LR schedule (algo.lr_schedule={algo.lr_schedule}, algo.warmup_steps={warmup}) "
-        f"counts optimizer steps and goes on from the checkpoint's count, up to {done} of {total}, where a run with "
-        f"these settings from the start would be at {planned}: the LR is {lr_now:.3g} x algo.lr instead of "
-        f"{lr_planned:.3g} x"
-        + ("; the schedule has ended, so the remaining steps train at LR 0" if ended else "")
-        + " (set algo.num_mini_batches, algo.mini_batch_size, algo.ppo_epochs and pipeline.rollout_batch_size back "
-        "to keep the schedule)"
+        f"the checkpoint's {old}: the train engines re-base the LR schedule (algo.lr_schedule={algo.lr_schedule}, "
+        f"algo.warmup_steps={warmup}) from the checkpoint's optimizer step {done} to {planned} of {total}, where a run "
+        f"with these settings from the start would be (LR {lr:.3g} x algo.lr); Adam's step counts are kept"
     )
 
 

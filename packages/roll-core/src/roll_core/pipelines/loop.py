@@ -56,7 +56,7 @@ from roll_core.config.build import build
 from roll_core.config.resume import check_checkpoint, config_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.models import resolve_model_path
-from roll_core.pipelines._resume_schedule import warn_schedule_shift
+from roll_core.pipelines._resume_schedule import log_schedule_rebase
 from roll_core.pipelines._run_endings import StopAborted, save_failure, signal_name
 from roll_core.pipelines._run_summary import end_status, restored_skips, run_summary
 from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
@@ -155,7 +155,7 @@ class Pipeline:
         if latest is not None:
             for line in check_checkpoint(latest, cfg):
                 log.info("changed on resume: %s", line)
-            warn_schedule_shift(latest, cfg)  # a changed optimizer-step count per step moves the LR schedule
+            log_schedule_rebase(latest, cfg)  # a changed optimizer-step count per step: the engines re-base it
         if named is not None:  # accepted: the run continues from it, its newer checkpoints set aside
             set_aside_newer(named)
         from omegaconf import OmegaConf

@@ -100,7 +100,8 @@ def optimizer_schedule(cfg: RLVRConfig) -> dict[str, Any]:
     """The train engines' optimizer schedule settings; a warm-up longer than the run is logged (the learning rate
     would never reach algo.lr)."""
     algo = cfg.algo
-    total_steps = cfg.pipeline.max_steps * algo.ppo_epochs * mini_batches(cfg)
+    per_step = algo.ppo_epochs * mini_batches(cfg)
+    total_steps = cfg.pipeline.max_steps * per_step
     if algo.warmup_steps > total_steps:
         log.warning(
             "algo.warmup_steps=%d is longer than the run's %d optimizer steps (pipeline.max_steps x "
@@ -113,6 +114,7 @@ def optimizer_schedule(cfg: RLVRConfig) -> dict[str, Any]:
         "weight_decay": algo.weight_decay,
         "warmup_steps": algo.warmup_steps,
         "total_steps": total_steps,
+        "optimizer_steps_per_step": per_step,  # (a resume with another number re-bases the schedule's count)
         "lr_schedule": algo.lr_schedule,
         "max_grad_norm": algo.max_grad_norm,
     }

@@ -2,7 +2,8 @@
 
 `HFWeightsAndCheckpoints` is a mixin of `HFTrainEngine`: `iter_weights`/`iter_adapter` (what weight sync sends),
 `get_weights`/`load_weights`, `save`/`load` of a checkpoint folder (`model/` an HF folder, `optimizer/` a
-torch.distributed.checkpoint keyed by parameter name, `engine.pt` scheduler and scaler; LoRA adds `adapter/`).
+torch.distributed.checkpoint keyed by parameter name, `engine.pt` scheduler, its optimizer steps per training
+step and scaler; LoRA adds `adapter/`).
 It uses the engine's `model`, `optimizer`, `scheduler`, `scaler`, `lora`, `vision`, `dp_rank`, `path`; sharded
 engines override `_full_tensor`, `_save_model`, `_save_lora`, `_read_model_folder`, `_check_full_weights`,
 `_load_full_weights` and `_on_every_rank` (what one rank reads or writes alone: its failure raises on every rank,
@@ -38,7 +39,7 @@ from roll_engines.train._lora import (
 )
 from roll_engines.train._optim import load_optimizer, save_optimizer
 from roll_engines.train._safetensors_file import read_safetensors
-from roll_engines.train._settings import reapply, snapshot
+from roll_engines.train._settings import reapply, rebased, snapshot
 
 T = TypeVar("T")
 
@@ -49,11 +50,13 @@ class HFWeightsAndCheckpoints:
     model: torch.nn.Module
     optimizer: Any
     scheduler: Any
+    optimizer_steps_per_step: int  # the plan's optimizer steps per training step (the engine's runtime)
     scaler: Any
     vision: Any
     dp_rank: int
     path: str
     name: str
+    role: str
     _trust_remote_code: bool
 
     def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
@@ -133,7 +136,11 @@ class HFWeightsAndCheckpoints:
             return
         save_optimizer(self.model, self.optimizer, folder / "optimizer")
         if self.dp_rank == 0:
-            state = {"scheduler": self.scheduler.state_dict()}
+            # The steps per training step the count was taken at: a resume with another number re-bases it.
+            state = {
+                "scheduler": self.scheduler.state_dict(),
+                "optimizer_steps_per_step": self.optimizer_steps_per_step,
+            }
             if self.scaler is not None:
                 state["scaler"] = self.scaler.state_dict()
                 # The skips in a row so far: pipeline.max_loss_scale_skips counts across a resume, not from 0 again
@@ -169,7 +176,8 @@ class HFWeightsAndCheckpoints:
     def load(self, folder: str | Path) -> None:
         """Restore weights, optimizer, scheduler and scaler written by `save` (at any data-parallel size). The
         optimizer's hyperparameters and base LR stay this engine's configured ones (roll_engines.train._settings);
-        Adam's moments and the schedule's position come from the checkpoint.
+        Adam's moments and the schedule's position come from the checkpoint (the position re-based when a training
+        step now takes another number of optimizer steps: _settings.rebased).
 
         All or nothing: a folder that fails to load (a missing or corrupt shard, no `optimizer/` or `engine.pt`)
         raises, on every rank, and leaves the engine as it was. `engine.pt` and `model/` are read and checked
@@ -184,6 +192,15 @@ class HFWeightsAndCheckpoints:
             self._check_full_weights(weights)
         if self.optimizer is not None:
             small = self._on_every_rank(lambda: _read_engine_state(folder), f"reading {folder / 'engine.pt'}")
+            # The position in this run's plan, re-based when a training step now takes another number of optimizer
+            # steps (_settings.rebased; a corrupt record raises here, before anything is written).
+            position = rebased(
+                int(small["scheduler"]["last_epoch"]),
+                small.get("optimizer_steps_per_step"),
+                self.optimizer_steps_per_step,
+                self.role,
+                say=self.dp_rank == 0,
+            )
         trained = [p for p in self.model.parameters() if p.requires_grad] if self.lora else []
         with _restored_on_failure(trained):
             if self.lora:
@@ -195,8 +212,8 @@ class HFWeightsAndCheckpoints:
             self._load_full_weights(weights, checked=True)
         if small is None:
             return
-        self.scheduler.load_state_dict(small["scheduler"])
-        # The configured settings take effect at the saved schedule position (a resume with a changed algo.lr).
+        self.scheduler.load_state_dict({**small["scheduler"], "last_epoch": position})
+        # The configured settings take effect at that position (a resume with a changed algo.lr).
         reapply(self.optimizer, configured, self.scheduler)
         if self.scaler is not None and "scaler" in small:
             self.scaler.load_state_dict(small["scaler"])

@@ -111,6 +111,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         betas: tuple[float, float] | list[float] = (0.9, 0.999),
         warmup_steps: int = 0,
         total_steps: int = 1,
+        optimizer_steps_per_step: int = 1,  # the plan's per training step: a checkpoint records it (_settings)
         lr_schedule: str = "constant",
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 4,
@@ -141,7 +142,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         self.name, self.role, self.device = name, role, torch.device(device)
         self.micro_batch_size, self.logprob_chunk_size = micro_batch_size, logprob_chunk_size
         self.micro_batch_tokens = check_micro_batch_tokens(micro_batch_tokens)
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.optimizer_steps_per_step = max_grad_norm, optimizer_steps_per_step
         self.path = resolve_model_path(model_path)
         self._trust_remote_code = trust_remote_code
         self._tokenizer: Any = None  # loaded on the first constrained batch (structured outputs)

@@ -179,20 +179,23 @@ def optimizer_kind(optimizer: Any) -> str:
     return kind + (" (experts apart)" if ps.get_expert_model_parallel_world_size() > 1 else "")
 
 
-def optimizer_state(model: Any, optimizer: Any, step: int, loading: bool) -> dict[str, Any]:
+def optimizer_state(model: Any, optimizer: Any, step: int, loading: bool, per_step: int = 1) -> dict[str, Any]:
     """The optimizer's sharded state dict in a layout-independent format: the plain optimizer's is (each state
     tensor is a ShardedTensor of its parameter); the distributed optimizer's `fully_reshardable` format gathers its
-    flat shards into per-parameter tensors too."""
+    flat shards into per-parameter tensors too. With the schedule's `step` and the optimizer steps per training step
+    it was counted at (`per_step`: a resume with another number re-bases it, roll_engines.train._settings.rebased);
+    a load reads both from the checkpoint's common state (the template's are not used)."""
     metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
     if loading:
         prime_optimizer_state(optimizer)
     state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=loading, metadata=metadata)
-    return {"optimizer": state, "step": step, "kind": optimizer_kind(optimizer)}
+    return {"optimizer": state, "step": step, "optimizer_steps_per_step": per_step, "kind": optimizer_kind(optimizer)}
 
 
-def save_optimizer(folder: Path, model: Any, optimizer: Any, step: int) -> None:
-    """Write the optimizer state and the schedule's `step` to `folder` (collective: every rank writes its part)
-    and flush what this rank wrote (its shards; global rank 0 also the metadata) before returning."""
+def save_optimizer(folder: Path, model: Any, optimizer: Any, step: int, per_step: int = 1) -> None:
+    """Write the optimizer state, the schedule's `step` and the optimizer steps per training step it was counted at
+    (`per_step`) to `folder` (collective: every rank writes its part) and flush what this rank wrote (its shards;
+    global rank 0 also the metadata) before returning."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -200,7 +203,7 @@ def save_optimizer(folder: Path, model: Any, optimizer: Any, step: int) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     with quiet_dist_checkpointing(), in_process_write_results(), primed_while_saving(optimizer):
-        dist_checkpointing.save(optimizer_state(model, optimizer, step, loading=False), str(folder))
+        dist_checkpointing.save(optimizer_state(model, optimizer, step, False, per_step), str(folder))
     # Megatron names a rank's shards after its global rank, and its coordinator (global rank 0) writes the rest.
     rank = dist.get_rank()
     fsync_written(folder, rank=rank, coordinator=rank == 0)
@@ -257,8 +260,8 @@ def _staged(state: dict[str, Any], model: Any, optimizer: Any) -> dict[str, Any]
 
 
 def write_optimizer(optimizer: Any, loaded: dict[str, Any]) -> int:
-    """Load `read_optimizer`'s state into `optimizer` and return the saved step. The optimizer's configured
-    hyperparameters stay this run's (roll_engines.train._settings)."""
+    """Load `read_optimizer`'s state into `optimizer` and return the saved step (as counted: the engine re-bases
+    it). The optimizer's configured hyperparameters stay this run's (roll_engines.train._settings)."""
     from roll_engines.train._settings import reapply, snapshot
 
     configured = snapshot(optimizer)  # this run's weight decay and betas: the checkpoint's would win
@@ -267,6 +270,6 @@ def write_optimizer(optimizer: Any, loaded: dict[str, Any]) -> int:
             zero_steps_restored(loaded["optimizer"])
         with torch_adam_steps_restored(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
-    # The LR is set from this run's base_lr and schedule before every step; the position is the saved one.
+    # The LR is set from this run's base_lr and schedule before every step, at the engine's (re-based) position.
     reapply(optimizer, configured)
     return int(loaded["step"])

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from roll_engines.train._hf_checkpoint import _restored_on_failure, fsync_written
 from roll_engines.train._safetensors_file import read_safetensors_folder
+from roll_engines.train._settings import rebased
 from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _critic as V
 from roll_engines.train.megatron import _export as X
@@ -45,7 +46,9 @@ class MegatronWeightsAndCheckpoints:
     device: torch.device
     path: str
     _seed: int
-    _step: int
+    _step: int  # the LR schedule's position (optimizer steps taken)
+    optimizer_steps_per_step: int  # the plan's optimizer steps per training step (the engine's runtime)
+    role: str
     _shims: Callable[[], AbstractContextManager[None]]  # the engine's (_cpu.engine_shims)
 
     def _weights(self, path: str) -> tuple[dict[str, Tensor], Any, dict[str, Tensor] | None]:
@@ -135,7 +138,7 @@ class MegatronWeightsAndCheckpoints:
         if self.optimizer is None:
             return
         with self._shims():
-            save_optimizer(folder / "optimizer", self.model, self.optimizer, self._step)
+            save_optimizer(folder / "optimizer", self.model, self.optimizer, self._step, self.optimizer_steps_per_step)
 
     def load(self, folder: str | Path) -> None:
         """Weights from `folder/model` (with LoRA: the adapter from `folder/adapter`; the base stays what
@@ -147,6 +150,8 @@ class MegatronWeightsAndCheckpoints:
         written; the adapter is put back (small) if writing the optimizer's state then fails. (The
         weights were written first: a folder without `optimizer/`, or with a truncated optimizer shard, raised with
         the new weights loaded, and a misshapen tensor only after the tensors before it had been copied.)"""
+        import torch.distributed as dist
+
         folder = Path(folder)
         self._gather_params()  # no pending all-gather of the old weights may land on the loaded ones
         mapped = adapter = loaded = None
@@ -157,16 +162,25 @@ class MegatronWeightsAndCheckpoints:
                 mapped = self._mapped(str(folder / "model"))
             if self.optimizer is not None:
                 loaded = read_optimizer(folder / "optimizer", self.model, self.optimizer)
+                # The schedule's position in this run's plan, re-based when a training step now takes another number
+                # of optimizer steps (as hf's: _settings.rebased); a corrupt record raises before anything is written.
+                position = rebased(
+                    int(loaded["step"]),
+                    loaded.get("optimizer_steps_per_step"),
+                    self.optimizer_steps_per_step,
+                    self.role,
+                    say=dist.get_rank() == 0,
+                )
         trained = [p for p in self.model.parameters() if p.requires_grad] if self.lora else []
         with self._shims(), _restored_on_failure(trained):
             if adapter is not None:
                 L.write_adapter(adapter)
             if loaded is not None:
-                step = write_optimizer(self.optimizer, loaded)
+                write_optimizer(self.optimizer, loaded)
             if mapped is not None:  # last: an fp32 model's optimizer parameters are its weights (or views of them)
                 C.write_mapped(self.model, mapped)
         if loaded is not None:
-            self._step = step
+            self._step = position
 
     def _mapped(self, path: str) -> dict[str, Tensor]:
         """This rank's Megatron tensors of the HF folder at `path`, mapped and checked (names, shapes), nothing

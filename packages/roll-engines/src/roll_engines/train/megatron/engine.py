@@ -107,6 +107,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         betas: tuple[float, float] | list[float] = (0.9, 0.999),
         warmup_steps: int = 0,
         total_steps: int = 1,
+        optimizer_steps_per_step: int = 1,  # the plan's per training step: a checkpoint records it (_settings)
         lr_schedule: str = "constant",
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 4,
@@ -166,7 +167,7 @@ class MegatronTrainEngine(MegatronWeightsAndCheckpoints):
         self.pack_sequences = pack_sequences
         self.max_grad_norm, self.base_lr = max_grad_norm, lr
         self._lr = lr_lambda(lr_schedule, warmup_steps, total_steps)
-        self._step = 0
+        self._step, self.optimizer_steps_per_step = 0, optimizer_steps_per_step  # the schedule's position, its plan
         self.path = resolve_model_path(model_path)
         from transformers import AutoConfig
 
