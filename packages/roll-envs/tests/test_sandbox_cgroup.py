@@ -47,14 +47,19 @@ def _children(sandbox: PythonSandbox) -> list[int]:
 
 
 def _runs_left() -> list[str]:
+    """This process's run cgroups (`run-<pid ns>-<pid>-<hex>`): another process's runs (an xdist worker's sandbox
+    tests, a concurrent session) come and go while a test runs, and are theirs."""
+    import os
+
     folders = [p for p in cgroup.parents().values() if p.is_dir()]
-    return [p.name for parent in folders for p in parent.iterdir() if p.name.startswith("run-")]
+    mine = f"-{os.getpid()}-"
+    return [p.name for parent in folders for p in parent.iterdir() if p.name.startswith("run-") and mine in p.name]
 
 
 def test_memory_spread_over_processes_is_capped_for_the_whole_run(
     sandbox: PythonSandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    before = set(_runs_left())  # other processes' runs (a concurrent test session) are theirs
+    before = set(_runs_left())
     statuses = _children(sandbox)
     # 512 MiB for the run: at most one 300 MiB child can hold its block; the kernel kills the others (SIGKILL).
     assert sum(s == 0 for s in statuses) <= 1 and sum(s == 9 for s in statuses) >= 5, statuses
