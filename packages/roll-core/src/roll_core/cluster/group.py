@@ -37,6 +37,11 @@ Faults (Ray only; an in-process call cannot time out or die apart from the contr
   noted with the role, ranks, hook and the restart's cause. A hook that fails with a WorkerDiedError because every
   rank it restored died and was restarted (and restored, by the inner restart's hooks) inside it leaves a healthy
   group: it is logged, and the call is rerun.
+- One call's parts are sent to all its ranks under the group's submit lock (and so are a restart's reruns): two
+  threads calling the same group (an async run's trainer `train` beside an engine restore's `publish_weights`)
+  otherwise interleaved their sends, and since Ray runs one caller's calls on an actor in the order sent, rank 0
+  ran [train, publish] and rank 1 [publish, train]: their collectives mismatched (a hang, or wrong results). The
+  lock is held only while sending, never while waiting for results or for a restore.
 - A method that raised a Ray error of its own (a RayActorError: an actor it called died) is its error, not its
   worker's death: it is raised, noted, and nothing is restarted.
 - A method declared `retry=False` is not rerun: the worker is restarted, then `WorkerRestartedError` asks the
@@ -124,6 +129,9 @@ class WorkerGroup(GroupStart, Generic[W]):
         # incarnations atomic for the calls that read them.
         self._restoring: tuple[threading.Thread, frozenset[int]] | None = None
         self._state_lock = threading.Lock()
+        # Held while one call's parts are sent to its ranks (module doc), after `_actors` (which may wait for a
+        # restore whose hooks call this group) and never while waiting: it nests inside nothing that blocks.
+        self._submit_lock = threading.Lock()
         #: Appended to a fatal fault's message (the pipeline names the checkpoint to resume from).
         self.death_hint: Callable[[], str] | None = None
         self.mesh = mesh or Mesh(dp=world_size)
@@ -184,7 +192,8 @@ class WorkerGroup(GroupStart, Generic[W]):
         if self.backend == "local":
             return Handle(self._call_local(method, args, kwargs), mode, lambda p: p, keep)
         actors, born = self._actors(args)
-        parts = [getattr(actors[r], method).remote(*a, **kwargs) for r, a in args.items()]
+        with self._submit_lock:  # every rank gets this call in the same place among other threads' calls
+            parts = [getattr(actors[r], method).remote(*a, **kwargs) for r, a in args.items()]
         deadline = self._deadline()
         return Handle(parts, mode, lambda p: self._collect(method, args, kwargs, p, deadline, born), keep, remote=True)
 
@@ -287,7 +296,8 @@ class WorkerGroup(GroupStart, Generic[W]):
             # Ranks not yet answered when a death stopped the wait (one another caller's restart had repaired) are
             # still running: wait for them too, with the reruns.
             pending = {r: ref for r, ref in waiting.items() if r not in rerun}
-            pending.update({r: getattr(actors[r], method).remote(*args[r], **kwargs) for r in rerun})
+            with self._submit_lock:  # the reruns too: they may be a collective over several ranks
+                pending.update({r: getattr(actors[r], method).remote(*args[r], **kwargs) for r in rerun})
         return [results[r] for r in args]
 
     def _recover(
