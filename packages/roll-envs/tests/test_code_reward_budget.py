@@ -54,13 +54,13 @@ def test_time_budget_keeps_finished_rows_and_flags_the_rest(reward: CodeReward) 
     assert res.scores[0] == 1.0 and res.correct[0] == 1.0 and res.failed is not None and not res.failed[0]
     unfinished = res.counters["unfinished"]
     assert unfinished >= 2 and sum(res.failed) == unfinished and res.counters["sandbox_errors"] == 0
-    assert res.counters["timeouts"] + unfinished == 9  # every hanging row: judged a timeout or not judged
+    assert res.counters["program_timeouts"] + unfinished == 9  # every hanging row: judged a timeout or not judged
     assert all(s == 0.0 for s, f in zip(res.scores, res.failed) if f)
 
 
 def test_no_budget_judges_every_row(reward: CodeReward) -> None:
     res = reward.score([RIGHT, HANG], [TESTS, TESTS])
-    assert res.scores == [1.0, 0.0] and res.counters["unfinished"] == 0 and res.counters["timeouts"] == 1
+    assert res.scores == [1.0, 0.0] and res.counters["unfinished"] == 0 and res.counters["program_timeouts"] == 1
 
 
 def test_first_sandbox_error_is_logged_with_its_cause(

@@ -390,7 +390,7 @@ def test_fraction_mode_format_weight_and_bad_answers() -> None:
     assert res.scores[0] == pytest.approx(1.1) and res.correct[0] == 1.0
     assert res.scores[1] == pytest.approx(0.35) and res.correct[1] == 0.0  # test 1 of 4 passes
     # times out on the second test, still scored on the others.
-    assert res.scores[2] == pytest.approx(0.6) and res.counters["timeouts"] == 1
+    assert res.scores[2] == pytest.approx(0.6) and res.counters["program_timeouts"] == 1
     assert res.failed == [False] * 5  # wrong, timed out or without code: judged
     bad = reward.score([fenced("print(1)\n")], ["not json"])
     assert bad.scores == [pytest.approx(0.1)] and bad.counters["bad_answers"] == 1
@@ -465,7 +465,7 @@ def test_unsandboxed_mode_runs_in_a_child_process(
         [fenced(f"import os\nprint('child' if os.getpid() != {me} else 'in-process')\n"), fenced("while True: pass\n")],
         [answer, answer],
     )
-    assert res.correct == [1.0, 0.0] and res.counters["timeouts"] == 1
+    assert res.correct == [1.0, 0.0] and res.counters["program_timeouts"] == 1
 
 
 def test_parallelism_holds_over_concurrent_score_calls(running_programs: Callable[[], int]) -> None:

@@ -29,14 +29,17 @@ Scoring (per response):
   the score of a response with a code block.
 
 Counters (responses, each at most once per kind): `no_code` (no fenced block), `wrong_answers`, `runtime_errors`
-(non-zero exit, exception, memory exhausted), `timeouts`, `output_limits`, `sandbox_errors` (the sandbox itself
-failed: a broken installation shows up here, not as wrong answers; the first one's cause is logged),
-`bad_answers` (malformed ground truth) and `unfinished` (the call's `time_budget_s` ran out first).
+(non-zero exit, exception, memory exhausted), `program_timeouts` (the program ran past `timeout_s` or its CPU
+seconds; not `timeouts`, which roll's reward guard counts when the reward call itself hung: a dashboard must tell a
+model's slow programs from an overloaded reward), `output_limits`, `sandbox_errors` (the sandbox itself failed, or
+could not be started: an OSError such as EAGAIN from fork; a broken installation shows up here, not as wrong
+answers; the first one's cause is logged), `bad_answers` (malformed ground truth) and `unfinished` (the call's
+`time_budget_s` ran out first).
 A response with a sandbox error, a malformed ground truth or an unfinished run is not judged: `RewardResult.failed`
 marks it (roll's reward guard counts it in `failed_unscored`, and a step where every row failed counts toward the
-run's failure budget) instead of it being trained on as a wrong answer. A test whose expected output is longer than
-`max_output_bytes` counts as a malformed ground truth too (logged): the program that prints it would be killed at
-the output budget, so no answer could pass it.
+run's failure budget) instead of it being trained on as a wrong answer. A test whose expected output plus the
+newline a program prints after it is longer than `max_output_bytes` counts as a malformed ground truth too (logged):
+the program that prints it would be killed at the output budget, so no answer could pass it.
 
 Time budget: roll's reward guard gives `score` its `time_budget_s` and cuts the call off after its batch timeout,
 which lost every score of a batch slower than that (hanging programs: rows x timeout_s / parallelism) and rescored
@@ -93,7 +96,7 @@ _SEPARATOR = re.compile(r"(\s+)")
 # Sandbox status -> counter of the response.
 _COUNTER = {
     RUNTIME_ERROR: "runtime_errors",
-    TIMEOUT: "timeouts",
+    TIMEOUT: "program_timeouts",  # not the guard's `timeouts` (the reward call itself hung)
     OUTPUT_LIMIT: "output_limits",
     SANDBOX_ERROR: "sandbox_errors",
 }
@@ -313,13 +316,15 @@ class CodeReward(Reward):
             return bonus, False, True, {"bad_answers"}
         tests = tests[: self.max_tests] if self.max_tests else tests
         budget = self.sandbox.limits.max_output_bytes
-        longest = max(len(normalize_output(t.output).encode("utf-8", "replace")) for t in tests)
+        # What a right program prints at least: the expected output and the newline print() ends it with.
+        longest = max(len(normalize_output(t.output).encode("utf-8", "replace")) + 1 for t in tests)
         if longest > budget:
             if not self._warned_output:  # once: every sample of such a problem would log it again
                 self._warned_output = True
                 log.warning(
-                    "code reward: a test expects %d bytes of output, over max_output_bytes=%d: no program can pass "
-                    "it, so its rows are not judged (counted in bad_answers); raise max_output_bytes",
+                    "code reward: a test expects %d bytes of output (its final newline included), over "
+                    "max_output_bytes=%d: no program can pass it, so its rows are not judged (counted in "
+                    "bad_answers); raise max_output_bytes",
                     longest,
                     budget,
                 )
@@ -329,7 +334,7 @@ class CodeReward(Reward):
         for test in tests:
             if deadline is not None and time.monotonic() + _START_ALLOWANCE_S + limits.timeout_s > deadline:
                 return bonus, False, True, {"unfinished"}  # the caller's time, not the program's, ran out
-            res = self.sandbox.run(code, test.input)
+            res = self._run(code, test.input)
             if res.status == OK and outputs_match(res.stdout, test.output, self.float_tolerance):
                 passed += 1
                 continue
@@ -341,6 +346,16 @@ class CodeReward(Reward):
         all_passed = passed == len(tests)
         score = float(all_passed) if self.score_mode == "all_pass" else passed / len(tests)
         return score + bonus, all_passed, True, kinds
+
+    def _run(self, code: str, stdin: str) -> RunResult:
+        """One sandbox run; an OSError setting it up (EMFILE for its pipes, EAGAIN from fork) is this row's sandbox
+        error: raised out of `score`, it failed the whole batch, which the guard rescored row by row as `errors`."""
+        start = time.monotonic()
+        try:
+            return self.sandbox.run(code, stdin)
+        except OSError as exc:
+            seconds = time.monotonic() - start
+            return RunResult(SANDBOX_ERROR, "", f"could not start the sandbox: {exc!r}", None, seconds)
 
     def _log_sandbox_error(self, res: RunResult) -> None:
         """Log the first sandbox error's cause (the counter alone never said why: a bind bwrap refused, a start past

@@ -11,10 +11,17 @@ is never hit), which takes every process of the namespace with it whatever the p
 parent-death signal, a new session), then the command's process group; an error while the run is watched (a
 KeyboardInterrupt) kills it the same way before it reaches the caller. The child signals through `ready_fd` that its
 setup finished; a child that exits without signalling, or reaches the wall clock or the output budget before
-signalling (a start slower than `start_timeout_s`), is a `sandbox_error` (the sandbox, not the program, failed).
-Exit status 0 is `ok`, any other exit or a signal is `runtime_error`, CPU-time exhaustion (SIGXCPU) is `timeout`; a
-signal reported by bwrap as exit status 128 + n counts as that signal. The caller compares stdout with what it
-expects: no verdict is ever read from the child.
+signalling (a start slower than `start_timeout_s`), is a `sandbox_error` (the sandbox, not the program, failed), and
+so is a command that cannot be started at all (an OSError from fork/exec: EAGAIN, a missing bwrap), returned, not
+raised. Exit status 0 is `ok`, any other exit or a signal is `runtime_error`, CPU-time exhaustion (SIGXCPU) is
+`timeout`. The caller compares stdout with what it expects: no verdict is ever read from the child.
+
+SIGXCPU versus exit status 152: a direct child killed by SIGXCPU has returncode -SIGXCPU, told apart from a program's
+own `sys.exit(152)`. bwrap reports a signal death as the exit status 128 + n (its init and its monitor both do, and
+nothing else of the sandbox outlives the run to say which it was), so under bwrap (`status_fd` given) a 152 is taken
+for SIGXCPU only when the run lasted long enough for a process to have used up its CPU seconds
+(`cpu_limit_after_s`); a sooner 152 is the program's exit status, a `runtime_error`. Not covered: a program that runs
+past that point and then exits with 152 itself counts as a timeout.
 
 Covers: processes that hang, spin, flood their pipes, close their pipes and keep running, or exit early.
 Does not cover: without bwrap (unsandboxed mode, no PID namespace), descendants that leave the process group
@@ -117,6 +124,12 @@ class SandboxLimits:
         use)."""
         return self.cpus if self.cpus is not None else min(DEFAULT_CPUS, self._max_cpus())
 
+    @property
+    def cpu_limit_after_s(self) -> float:
+        """Wall seconds from a run's spawn before which no process of it can have used up its CPU seconds (the soft
+        RLIMIT_CPU): a process runs at most `max_processes` threads (RLIMIT_NPROC counts threads), each on a CPU."""
+        return self.rlimits()["RLIMIT_CPU"][0] / min(self.max_processes, os.cpu_count() or 1)
+
     def rlimits(self) -> dict[str, tuple[int, int]]:
         """`resource` limit names and (soft, hard) values applied inside the child. Soft = hard except for CPU
         seconds: SIGXCPU at the soft limit, SIGKILL one second later; the wall clock usually ends it first."""
@@ -210,9 +223,14 @@ def _kill(proc: subprocess.Popen[bytes], namespace: _Namespace) -> None:
         pass
 
 
-def _signalled(returncode: int, sig: int) -> bool:
-    # Directly (-sig) or reported by bwrap's init as a shell-style 128 + sig.
-    return returncode in (-sig, 128 + sig)
+def _cpu_limited(returncode: int, via_bwrap: bool, seconds: float, cpu_limit_after_s: float | None) -> bool:
+    """Whether an exit means the CPU-seconds limit killed the program (SIGXCPU), not the program's own exit status."""
+    if returncode == -signal.SIGXCPU:  # a direct child that the signal killed
+        return True
+    if not via_bwrap or returncode != 128 + signal.SIGXCPU:  # a direct child's 152 is its own exit status
+        return False
+    # bwrap says 128 + n for a death by signal n: the limit cannot have fired before a process could use it up.
+    return cpu_limit_after_s is None or seconds >= cpu_limit_after_s
 
 
 def _take_ready(ready_fd: int) -> bool:
@@ -235,6 +253,7 @@ def run_captured(
     status_fd: int | None = None,
     cwd: str | None = None,
     env: dict[str, str] | None = None,
+    cpu_limit_after_s: float | None = None,
 ) -> RunResult:
     """Run `argv` to completion or kill it; see the module docstring for the contract.
 
@@ -248,6 +267,9 @@ def run_captured(
         max_output_bytes: stdout + stderr bytes after which the run is killed.
         status_fd: read end of bwrap's `--json-status-fd` (its write end in `pass_fds`); None without bwrap.
         cwd: working folder of the child. env: its environment (None: inherited; bwrap clears it anyway).
+        cpu_limit_after_s: wall seconds from the spawn before which no process of the run can have used up its
+            CPU-seconds limit (the limit over the threads a process may run at once); under bwrap a 152 sooner is
+            the program's exit status, not SIGXCPU (module docstring). None: every 152 under bwrap is SIGXCPU.
     """
     start = time.monotonic()
     # The start's deadline until the ready byte arrives, then the program's own (see the module docstring).
@@ -264,6 +286,9 @@ def run_captured(
             cwd=cwd,
             env=env,
         )
+    except OSError as exc:  # nothing ran (EAGAIN from fork, a missing bwrap): the sandbox failed, not the program
+        message = f"could not start the sandbox: {exc!r}"
+        return RunResult(SANDBOX_ERROR, "", message, None, time.monotonic() - start)
     finally:  # the child holds them now; our copies would keep the pipes from ever reaching EOF
         for fd in pass_fds:
             os.close(fd)
@@ -338,7 +363,7 @@ def run_captured(
             status = SANDBOX_ERROR
         elif returncode == 0:
             status = OK
-        elif _signalled(returncode, signal.SIGXCPU):  # the CPU-seconds limit
+        elif _cpu_limited(returncode, status_fd is not None, time.monotonic() - start, cpu_limit_after_s):
             status = TIMEOUT
         else:
             status = RUNTIME_ERROR

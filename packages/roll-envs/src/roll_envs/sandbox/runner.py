@@ -241,6 +241,7 @@ class PythonSandbox:
                 timeout_s=limits.timeout_s,
                 start_timeout_s=limits.start_timeout_s,
                 max_output_bytes=limits.max_output_bytes,
+                cpu_limit_after_s=limits.cpu_limit_after_s,
                 **kwargs,
             )
         finally:
