@@ -2,12 +2,17 @@
 
 A row's image may be a file path (absolute, or relative to the data file's folder), raw encoded bytes, base64 text
 of those bytes (bare, or a `data:image/...;base64,` URI), a `{"bytes": ..., "path": ...}` dict (what Parquet files
-written by `datasets` hold), a PIL image, or an (H, W), (H, W, 3) or (H, W, 4) uint8 array. A URL is refused: a
-run fetches nothing from the network (download the pictures, give their paths). Anything else, an unreadable file,
-undecodable bytes or a picture with a zero side (0 x H) is a `ValueError` naming what was given (long values
+written by `datasets` hold), a PIL image, or a uint8 array: a numpy array, or a torch tensor on any device (copied
+to the CPU), of shape (H, W) (grey), channel-last (H, W, C) or channel-first (C, H, W), C being 1 (grey), 3 (RGB)
+or 4 (RGBA). The layout rule (`_channel_last`): a last side of 1, 3 or 4 is the channels, whatever the first;
+otherwise a first side of 1, 3 or 4 is (torchvision's layout). So a shape that reads both ways, (3, 5, 4) say, is a
+3 x 5 RGBA picture, never a 5 x 4 RGB one: a channel-first picture 1, 3 or 4 pixels wide must be transposed by its
+giver. A URL is refused: a run fetches nothing from the network (download the pictures, give their paths).
+Anything else, an unreadable file, undecodable bytes, an array of another dtype or shape, a tensor without data
+(the meta device) or a picture with a zero side (0 x H) is a `ValueError` naming what was given (long values
 shortened): a wrong picture never reaches the model silently, and no other exception escapes (a name too long for
-the file system, a decompression bomb, an image processor dividing by a zero side), so callers that skip bad rows
-on ValueError never crash on one.
+the file system, a decompression bomb, an image processor dividing by a zero side, numpy refusing a GPU tensor),
+so callers that skip bad rows on ValueError never crash on one.
 
 The picture is the one viewers, transformers' `load_image`, `datasets`' Image feature and vLLM show: the EXIF
 orientation is applied (a phone photo stored sideways is upright), and transparency is composited onto white as
@@ -68,18 +73,57 @@ def load_image(value: Any, base_dir: str | Path | None = None) -> Any:  # -> PIL
     if isinstance(value, (str, Path)):
         src, what = _source(value, base_dir)
         return _decode(src if isinstance(src, Path) else io.BytesIO(src), what)
-    shape = getattr(value, "shape", None)
-    if shape is not None and (len(shape) == 2 or (len(shape) == 3 and shape[-1] in (3, 4))):
-        import numpy as np
-
-        arr = np.asarray(value)
-        if arr.dtype != np.uint8:
-            raise ValueError(f"an image array must be uint8 (H, W[, 3 or 4]); got {arr.dtype} {tuple(arr.shape)}")
-        mode = {2: "L", 3: "RGB", 4: "RGBA"}[arr.shape[-1] if arr.ndim == 3 else 2]
-        return _rgb(Image.fromarray(arr, mode), copy=False)
+    if getattr(value, "shape", None) is not None:
+        arr = _channel_last(_host_array(value))
+        mode = {1: "L", 3: "RGB", 4: "RGBA"}[arr.shape[-1]]
+        return _rgb(Image.fromarray(arr[..., 0] if mode == "L" else arr, mode), copy=False)
     raise ValueError(
         f"cannot read an image from a {type(value).__name__}: give a path, bytes, base64 text, a {{'bytes', 'path'}} "
-        "dict, a PIL image or an (H, W[, 3 or 4]) uint8 array"
+        "dict, a PIL image or an (H, W), (H, W, C) or (C, H, W) uint8 array (C: 1, 3 or 4)"
+    )
+
+
+def _host_array(value: Any) -> Any:  # -> np.ndarray
+    """`value` (a numpy array, a torch tensor on any device, another array-like) as a uint8 numpy array in host
+    memory; ValueError for another dtype or values that cannot be read (a tensor on the meta device has none)."""
+    import sys
+
+    import numpy as np
+
+    torch = sys.modules.get("torch")  # (not imported: `value` is no tensor)
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.dtype != torch.uint8:  # (before numpy: bfloat16 has no numpy dtype)
+            raise ValueError(f"an image tensor must be uint8; got {value.dtype} {tuple(value.shape)}")
+        if value.device.type == "meta":
+            raise ValueError(
+                f"an image tensor on the meta device holds no values (shape {tuple(value.shape)}): give one with data"
+            )
+        # numpy reads host memory only: a GPU tensor was a TypeError from np.asarray (no caller's except ValueError)
+        value = value.detach().cpu()
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # an array-like numpy cannot read (a GPU array of another library...)
+        raise ValueError(
+            f"cannot read the values of a {type(value).__name__} image ({type(exc).__name__}: {exc})"
+        ) from None
+    if arr.dtype != np.uint8:
+        raise ValueError(f"an image array must be uint8; got {arr.dtype} {tuple(arr.shape)}")
+    return arr
+
+
+def _channel_last(arr: Any) -> Any:  # -> np.ndarray (H, W, C)
+    """A uint8 picture array as (H, W, C), C in 1, 3, 4 (the module docstring's rule: a last side of 1, 3 or 4 is
+    the channels; else a first one is, and is moved last); ValueError for any other shape."""
+    import numpy as np
+
+    if arr.ndim == 2:
+        return arr[..., None]
+    if arr.ndim == 3 and arr.shape[-1] in (1, 3, 4):
+        return arr
+    if arr.ndim == 3 and arr.shape[0] in (1, 3, 4):
+        return np.ascontiguousarray(arr.transpose(1, 2, 0))  # (PIL reads contiguous rows)
+    raise ValueError(
+        f"an image array must be (H, W), (H, W, C) or (C, H, W) with C 1, 3 or 4 channels; got shape {tuple(arr.shape)}"
     )
 
 
@@ -118,7 +162,18 @@ def source_key(value: Any) -> str:
     """A stable text id of a picture as a data row holds it (any `load_image` form), never decoded: encoded bytes
     (or a `{"bytes"}` dict's) and text that names no file (base64, a data URI) by a hash of their content; a path by
     the path and the file's size (a stat: a picture replaced in place under its name changes the id unless its
-    size is the same); a PIL image or an array by a hash of its pixels (already decoded)."""
+    size is the same); a PIL image, an array or a tensor by a hash of its pixels (already decoded)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.device.type != "meta":
+        # A tensor has no tobytes: its repr, which elides all but the corners of a large one, was the id (two
+        # pictures alike at the corners shared it). A contiguous clone's storage holds exactly its values, in
+        # order (a plain clone keeps a permuted view's strides: two layouts of other values could share bytes).
+        data = value.detach().cpu().clone(memory_format=torch.contiguous_format)
+        h = hashlib.blake2b(repr([tuple(data.shape), str(data.dtype)]).encode(), digest_size=8)
+        h.update(bytes(data.untyped_storage()))
+        return "x:" + h.hexdigest()
     if isinstance(value, dict):
         value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
     if isinstance(value, (bytes, bytearray, memoryview)):

@@ -255,10 +255,32 @@ class _RL:
     """`roll.objectives` `rl`: the actor (and critic, reference) of `algo`."""
 
     def needs(self, cfg: RLVRConfig) -> RoleNeeds:
+        check_critic_shards(cfg)
         return RoleNeeds(train=True, reference=cfg.algo.use_reference, critic=cfg.algo.use_critic)
 
     def __call__(self, cfg: RLVRConfig, roles: Roles, *, trajectories: bool) -> RLObjective:
         return RLObjective(cfg, roles, trajectories=trajectories)
+
+
+def check_critic_shards(cfg: RLVRConfig) -> None:
+    """ConfigError when AsyPPO's mini-critics would take fewer optimizer steps than their LR schedule plans: each
+    trains on its shard (1 / algo.num_critics of the rows) in the actor's mini-batches (wiring.optimizer_schedule
+    plans algo.ppo_epochs x mini-batches for every train engine), and a shard with fewer rows than mini-batches
+    leaves some empty (no step), so the schedule never reached its end."""
+    from roll_core.pipelines.wiring import mini_batches
+
+    algo = cfg.algo
+    if not algo.use_critic or algo.num_critics < 2:
+        return
+    rows = cfg.pipeline.rollout_batch_size * algo.group_size
+    shard, n_mini = rows // algo.num_critics, mini_batches(cfg)  # (group_size is a multiple of num_critics)
+    if n_mini > shard:
+        raise ConfigError(
+            f"algo.num_critics={algo.num_critics}: each critic trains on {shard} of the {rows} rows of a step, in "
+            f"{n_mini} mini-batches (the actor's): {n_mini - shard} of them would be empty, and the critics' LR "
+            f"schedule, planned for {n_mini} optimizer steps per epoch, would never reach its end: use at most "
+            f"algo.num_mini_batches={shard}, or algo.mini_batch_size >= {algo.num_critics}"
+        )
 
 
 rl_objective = _RL()
