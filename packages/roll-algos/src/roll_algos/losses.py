@@ -38,6 +38,7 @@ from roll_algos._plugins import PolicyLossPluginError
 
 __all__ = [
     "AGG_MODES",
+    "NO_DUAL_CLIP",
     "POLICY_LOSS_VARIANTS",
     "PolicyLoss",
     "PolicyLossPluginError",
@@ -64,6 +65,9 @@ __all__ = [
 ]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+#: roll-algos' own variants that never read `dual_clip`: a stop-gradient weight times A logp, no clipped surrogate
+#: to bound (the config refuses a dual clip with them: it would be silently ignored).
+NO_DUAL_CLIP = ("cispo", "tis", "topr", "vanilla")
 #: The installed policy-loss names (`policy_loss_names()`), computed on first access by the module `__getattr__`
 #: below: reading entry-point metadata costs ~50 ms, which importing this module must not.
 POLICY_LOSS_VARIANTS: tuple[str, ...]

@@ -71,12 +71,16 @@ class AlgoConfig:
     # Policy loss variant: ppo | gspo | cispo | tis | topr | vanilla.
     policy_loss: str = "ppo"
     # Loss aggregation over tokens: token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm.
+    # Each optimizer step's loss is its mini-batch's: token-mean divides by the mini-batch's valid tokens (all its
+    # micro-batches and data-parallel ranks), the seq-mean modes by its rows; the KL loss and the entropy bonus are
+    # aggregated the same way.
     loss_agg: str = "token-mean"
     # Lower PPO clip epsilon (ratio >= 1 - clip_low).
     clip_low: float = 0.2
     # Upper PPO clip epsilon; > clip_low is DAPO's clip-higher.
     clip_high: float = 0.2
-    # Dual-clip constant c > 1 bounding negative-advantage loss at c*|A|; null disables.
+    # Dual-clip constant c > 1 bounding negative-advantage loss at c*|A| (policy_loss ppo, gspo; cispo, tis, topr
+    # and vanilla have no clipped surrogate and refuse it); null disables.
     dual_clip: float | None = None
     # Ratio cap of the tis variant (cispo bounds its weight with clip_low/clip_high instead).
     ratio_cap: float = 2.0
@@ -113,7 +117,9 @@ class AlgoConfig:
     # AsyPPO entropy filtering: the share of a batch's response tokens where the critics disagree most (highest std)
     # left out of the entropy bonus; needs num_critics >= 2 and entropy_coef > 0. 0 disables.
     critic_disagree_fraction: float = 0.0
-    # Whiten advantages over the batch after estimation (masked).
+    # Whiten advantages over the batch after estimation (masked: each token counts once, so longer responses weigh
+    # more). With a group estimator this re-centres on the batch's token mean: a group whose rewards were all equal
+    # (advantage 0) then gets -mean / std, whatever its rewards (norm_std_type=batch scales without re-centring).
     whiten_advantages: bool = False
     # Clip advantages to [-x, x]; null disables.
     advantage_clip: float | None = None
@@ -141,7 +147,10 @@ class AlgoConfig:
     # DAPO soft overlong penalty buffer in tokens (0 disables); the penalty reaches -1 at the response limit.
     overlong_buffer: int = 0
     # DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal) and sample more
-    # prompts until the batch holds rollout_batch_size informative groups (or the cap below is reached).
+    # prompts until the batch holds rollout_batch_size informative groups (or the cap below is reached). The test
+    # reads the reward's scores (the task's, with the reward model's): before overlong_buffer's penalty and
+    # reward_clip, as DAPO filters on accuracy; a group whose rewards differ only in that penalty is dropped. Needs
+    # group_size >= 2 (a group of one never varies).
     drop_uniform_groups: bool = False
     # Dynamic sampling: each refill round samples ceil(missing groups x this factor) prompts.
     refill_oversample: float = 1.5
@@ -247,6 +256,22 @@ class AlgoConfig:
                 "algo.entropy_coef=0 turns off: set entropy_coef > 0 (algo=asyppo: 0.001), or leave the fraction 0"
             )
 
+    def _check_combinations(self) -> None:
+        """Options that another option's value would silently ignore or defeat."""
+        from roll_algos.losses import NO_DUAL_CLIP
+
+        if self.dual_clip is not None and self.policy_loss in NO_DUAL_CLIP:
+            raise ValueError(
+                f"algo.dual_clip={self.dual_clip} bounds the clipped surrogate of policy_loss ppo and gspo; "
+                f"algo.policy_loss={self.policy_loss} has none and would ignore it: set algo.dual_clip=null"
+            )
+        if self.drop_uniform_groups and self.group_size < 2:
+            # every group of one is uniform: each step would sample refill_max_batches batches and train on nothing
+            raise ValueError(
+                f"algo.drop_uniform_groups=true keeps the groups whose rewards differ, and a group of "
+                f"algo.group_size={self.group_size} never does: set group_size >= 2, or drop_uniform_groups=false"
+            )
+
     def _check_normalisation(self) -> None:
         from roll_algos.advantages import NORM_TYPES
 
@@ -268,6 +293,7 @@ class AlgoConfig:
         self._check_attention_credit()
         if self.group_size < 1:
             raise ValueError(f"algo.group_size={self.group_size} must be >= 1")
+        self._check_combinations()
         if self.adv_estimator in GROUP_ESTIMATORS and self.group_size < 2:
             raise ValueError(
                 f"algo.adv_estimator={self.adv_estimator} compares samples of one prompt: set algo.group_size >= 2"
