@@ -1,15 +1,18 @@
 """User data as a task: JSONL, Parquet or a Hugging Face `datasets` folder with prompt and answer columns; a `.json`
 or `.jsonl` file holds JSON lines or one JSON array of rows (numbered from 1 like lines).
 
-Bad rows (not UTF-8, not JSON or nested past Python's recursion limit, not an object, missing or empty
-prompt/answer, non-text values, NaN answers, text holding a lone surrogate: a `\\ud800` escape, valid JSON but no
-Unicode character, in the prompt, the answer or any other column; a prompt already chat-templated, opening with
+Bad rows (not UTF-8, not JSON or nested past Python's recursion limit, not an object, an object naming a key
+twice with different values (`json` kept the last, unsaid: _repeated_keys), missing or empty prompt/answer,
+non-text values, NaN answers, text holding a lone surrogate: a `\\ud800` escape, valid JSON but no Unicode
+character, in the prompt, the answer or any other column; a prompt already chat-templated, opening with
 `<|im_start|>` or another template's markers (base.templated_marker), which the pipeline would template again) are
 skipped, counted and reported with their 1-based line (or row) numbers in `skipped` (per file in `skipped_rows`,
 which the loop puts in the metrics and the run summary), and a summary is logged: never silently dropped, never a
 crash halfway through a file. A file that is missing, unreadable as a whole (a JSON array over several lines nested
 past the recursion limit), of an unknown kind, or left empty after skipping is a `ConfigError` naming the setting
-(env.path / env.eval_path), so roll-train ends with one message and exit status 2, not a traceback. The held-out
+(env.path / env.eval_path), so roll-train ends with one message and exit status 2, not a traceback. A `datasets`
+folder holding several splits is read from its `train` split (none: the first saved), with a warning naming the
+others (a test split there is not a held-out set: give it its own folder as env.eval_path). The held-out
 split is `eval_path` when given, else a stable-hash fraction of the rows; training rows that are a held-out row's
 problem but for whitespace in the prompt ("Q?" and "Q?\n") are left out of training, counted in `also_held_out` and
 logged (base.held_out_split).
@@ -33,11 +36,11 @@ dots reads a nested column (`reward_model.ground_truth`). A row's `domain` colum
 or empty one is no domain (the default's), another type makes the row bad. A leading UTF-8 byte order mark (files
 saved by Windows editors) is ignored. A number answer is written in plain decimal, a whole one as an integer (3.0,
 what an integer column with a null in it holds in pandas, Arrow and the files written from them, is "3"; its null
-rows are skipped and counted as missing answers); the other columns of such an integer column with nulls, and the
-fields of struct columns that are one (`{"meta": {"id": 3}}`), read as ints and None, not 3.0 and NaN
-(roll_core.int_columns), in the rows every file task reads. A float32 (or
-float16) value reads as the decimals written (0.1, not 0.10000000149011612), in a flat column or nested in lists,
-structs and maps (a struct answer, metadata columns).
+rows are skipped and counted as missing answers; a decimal column's 3.00 is "3" and 1.50 "1.5"); the other
+columns of such an integer column with nulls, and the fields of struct columns that are one
+(`{"meta": {"id": 3}}`), read as ints and None, not 3.0 and NaN (roll_core.int_columns), in the rows every file
+task reads. A float32 (or float16) value reads as the decimals written (0.1, not 0.10000000149011612), in a flat
+column or nested in lists, structs and maps (a struct answer, metadata columns).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from roll_core.errors import ConfigError
 from roll_core.int_columns import float_columns as _float_columns
 from roll_core.int_columns import restore_int_columns
 from roll_envs.rewards.base import Reward
+from roll_envs.tasks._repeated_keys import RepeatedKeys, repeated_key, repeated_reason
 from roll_envs.tasks.base import Problem, Task, eval_file_name, templated_marker
 
 log = logging.getLogger(__name__)
@@ -105,9 +109,16 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
         return restore_int_columns(rows, _float_columns(table.schema)), bad
     if path.suffix in (".jsonl", ".json"):
         # (A .jsonl file too: an array saved under that name lost every row but the last, like a .json file did.)
-        array = _json_array(path)
+        keys = RepeatedKeys()  # (rows naming a key twice with different values: skipped, not last-one-wins)
+        array = _json_array(path, keys)
         if array is not None:
+            if keys.found:
+                named = [(n, repeated_key(row)) for n, row in array]
+                bad += [(n, repeated_reason(k)) for n, k in named if k is not None]
+                array = [r for r, (_, k) in zip(array, named, strict=True) if k is None]
             return restore_int_columns(array), bad
+        keys.found.clear()  # (what a failed read as one array saw: the lines are decoded again)
+        decoder = json.JSONDecoder(object_pairs_hook=keys)  # (one decoder: json.loads(line, hook) builds one a line)
         rows = []
         # Bytes, decoded line by line: one line that is not UTF-8 is a bad row, not a UnicodeDecodeError that ends
         # the whole file with neither its name nor a line number.
@@ -121,7 +132,14 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
                 if not line.strip():
                     continue
                 try:
-                    rows.append((lineno, json.loads(line)))
+                    if line.startswith("\ufeff"):  # (what json.loads says; a bare decoder says "Expecting value")
+                        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", line, 0)
+                    row = decoder.decode(line)
+                    if keys.found:
+                        bad.append((lineno, repeated_reason(keys.found[0])))
+                        keys.found.clear()
+                    else:
+                        rows.append((lineno, row))
                 except json.JSONDecodeError as exc:
                     bad.append((lineno, f"invalid JSON ({exc.msg})"))
                 except RecursionError:  # (a bare RecursionError ended the whole load, naming no line)
@@ -213,16 +231,17 @@ def _encoded_rows(ds: Any) -> Any:
 _TOO_DEEP = "invalid JSON (nested too deeply: past Python's recursion limit)"
 
 
-def _json_array(path: Path) -> list[tuple[int, Any]] | None:
-    """(element number, row) pairs of a `.json` or `.jsonl` file holding one JSON array of rows, or None for any
-    other file (JSON lines). Read line by line, such a file lost every row but the last of an array written one
-    object per line (the others end with a comma) and trained on that one: a warning was all that said so."""
+def _json_array(path: Path, keys: RepeatedKeys) -> list[tuple[int, Any]] | None:
+    """(element number, row) pairs of a `.json` or `.jsonl` file holding one JSON array of rows (decoded with the
+    `keys` hook), or None for any other file (JSON lines). Read line by line, such a file lost every row but the
+    last of an array written one object per line (the others end with a comma) and trained on that one: a warning
+    was all that said so."""
     with open(path, "rb") as f:
         head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # (json.loads of bytes skips the BOM itself)
     if not head.startswith(b"["):
         return None
     try:
-        value = json.loads(path.read_bytes())
+        value = json.loads(path.read_bytes(), object_pairs_hook=keys)
     except ValueError:  # (not UTF-8 too) a JSON-lines file whose first row is a list: read as lines, reported
         return None
     except RecursionError:  # nested past Python's recursion limit somewhere: a bare RecursionError named no file
@@ -241,14 +260,19 @@ def _json_array(path: Path) -> list[tuple[int, Any]] | None:
     return [(i + 1, row) for i, row in enumerate(value)] if isinstance(value, list) else None
 
 
-def _plain_number(x: float) -> str:
+def _plain_number(x: float | decimal.Decimal) -> str:
     """A number as a plain decimal: str(0.00001) is '1e-05' and str(1e16) '1e+16', which no grader matches against
     a model's 0.00001 or 10000000000000000. A float holding a whole number is that integer ('3', not '3.0'): an
     integer column with a null in it is float64 in pandas, Arrow and the Parquet or JSON written from them, so the
     answer 3 read as '3.0', which any reward comparing text (a remote or custom one, a judge) held against the
-    model's 3."""
+    model's 3. A decimal (a Parquet decimal column's scale pads every value: NUMERIC(5, 2) holds 3 as 3.00) reads
+    as the same number as a float would: '3', '1.5'."""
     if isinstance(x, int):
         return str(x)
+    if isinstance(x, decimal.Decimal):  # (not normalize(): it rounds to 28 digits, and decimal128 holds 38)
+        text = format(x, "f")
+        text = text.rstrip("0").rstrip(".") if "." in text else text
+        return "0" if text in ("-0", "0", "") else text
     number = decimal.Decimal(repr(x))  # repr: the shortest digits that round-trip, not binary noise
     if x.is_integer():
         return format(number.to_integral_value(), "f") if x else "0"  # (-0.0 too)
@@ -294,7 +318,7 @@ def _load(
             if isinstance(answer, (int, float)) and not isinstance(answer, bool):
                 answer = _plain_number(answer) if math.isfinite(answer) else answer
             elif isinstance(answer, decimal.Decimal) and answer.is_finite():  # a Parquet decimal column (SQL exports)
-                answer = format(answer, "f")
+                answer = _plain_number(answer)
             why = _text_problem(answer_key, answer, numbers=True)
         images: list[Any] = []
         metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, "domain", *pictures)}
