@@ -59,7 +59,8 @@ class DataConfig:
     # Passed to every chat-template rendering of the rows, on top of model.chat_template_kwargs (the rows are
     # rendered as the model's prompts are; a key given here wins), e.g. +data.chat_template_kwargs.enable_thinking=true.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # A response longer than model.max_response_length is cut to it (counted as truncated); false skips the row.
+    # A response longer than model.max_response_length is cut to it (counted as truncated); false skips the row,
+    # and a rollout row whose generation was cut (finish_reason=length), which is counted as truncated otherwise.
     # A prompt longer than model.max_prompt_length is always skipped (counted).
     truncate: bool = True
     # Column names.

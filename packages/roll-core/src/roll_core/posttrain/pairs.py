@@ -12,13 +12,18 @@ counted `prompt_not_in_conversation` skip: read as a conversation the row would 
 message-list prompt, lists that start with its messages (same roles and contents). Text prompt and responses follow
 `data.chat_template` like SFT's prompt/completion rows, when all three are text: a message-list side puts both
 through the template. Sides whose messages before their answers differ (a system prompt in one only) are a counted
-`prompt_not_shared` skip naming the difference (they were `prompt_mismatch` or `no_prompt`). Message lists in
+`prompt_not_shared` skip naming the difference (they were `prompt_mismatch` or `no_prompt`); so are multi-turn
+sides that share an answer and first differ at a later user turn or tool result (their later answers reply to
+different messages, as in an implicit prompt ending on an assistant message). Message lists in
 ShareGPT's form (`{"from", "value"}`) are read as the SFT rows' are (roll_core.posttrain.row_values), also where
 they are compared with the prompt (a text prompt inside ShareGPT conversations was a `prompt_not_in_conversation`
 skip; a message-list prompt was rendered a second time before them).
 A pair whose two responses differ only in whitespace or in trailing special tokens (an end-of-turn, eos) is a
 `same_response` skip as identical responses are (`_same`: roll_core.near_duplicates' whitespace rule, `loose_text`,
-over the decoded responses and over their trained tokens): it has next to no preference signal.
+over the decoded responses and over their trained tokens): it has next to no preference signal. So is a pair
+whose responses are equal up to their last trained token and differ only in untrained context after it (a later
+user turn or observation cut by the length limit where the two differ): the same tokens trained after the same
+context, a constant loss (log 2 for DPO) with no gradient.
 Both sides tokenise through `SFTTokenizer` (so chosen and rejected have the same prompt ids and each response ends
 with its end-of-turn token) and get the length limits; a row whose either side is skipped is skipped.
 
@@ -31,8 +36,8 @@ every score: a flag was compared with another row's reward). `check_score_settin
 `data.pair_margin` values that mean nothing on the flag (min_score 0.7, pair_margin 0.2: they were read as 1 and 0,
 silently). Within one prompt, a candidate pair is two samples whose scores differ by more than `data.pair_margin`,
 the higher one chosen, whose responses differ (`_same`: more than whitespace or trailing special tokens, or in
-the loss mask), and whose contents (chosen's and rejected's tokens) no earlier candidate has (a response sampled
-twice gave the same pair twice, training it twice as hard).
+the loss mask, before the last trained token), and whose contents (chosen's and rejected's tokens) no earlier
+candidate has (a response sampled twice gave the same pair twice, training it twice as hard).
 Up to `data.pairs_per_prompt` candidates are taken in an order shuffled by a stream seeded from (seed, prompt id),
 preferring samples not yet in a pair, so the pairs depend on the seed and the rows, not on the file's order across
 prompts. Prompts without any candidate are counted (`prompts_without_pair`).
@@ -84,6 +89,7 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
     as_text = all(isinstance(v, str) for v in (prompt, chosen, rejected)) and not cfg.chat_template
     sides = []
     contexts = []
+    answers: list[list[dict[str, Any]]] = []
     for value, key in ((chosen, cfg.chosen_key), (rejected, cfg.rejected_key)):
         if as_text:
             tokens = sft.raw_text(check_text(prompt, cfg.prompt_key), check_text(value, key))
@@ -93,6 +99,9 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
             contexts.append(_before_answer(c))
             if len(contexts) == 2 and contexts[0] != contexts[1]:
                 raise SkipRow("prompt_not_shared", _context_diff(contexts, cfg))
+            answers.append(c)
+            if len(answers) == 2:
+                _check_divergence(answers, cfg)
             trained = [False] * len(p) + [train_flag(m) for m in c]
             tokens = sft.chat_row(p + c, trained, row.get("tools"))
         tokens.where = f"{raw.where}:{key}"
@@ -126,13 +135,22 @@ def _loose(t: TokenRow, tokenizer: Any) -> tuple[str, str]:
 
 
 def _same(a: TokenRow, b: TokenRow, tokenizer: Any, keys: tuple[Any, Any] | None = None) -> bool:
-    """Whether two sides train the same tokens, or the same text but for whitespace or trailing special tokens
-    (`_loose`; `keys`: theirs, when known): a pair of them has next to no preference signal (equal tokens: a loss
-    of log 2 and no gradient)."""
-    if a.response_ids == b.response_ids and a.mask == b.mask:
+    """Whether two sides train the same tokens after the same context (`_trained_part`), or the same text but for
+    whitespace or trailing special tokens (`_loose`; `keys`: theirs, when known): a pair of them has next to no
+    preference signal (equal tokens: a loss of log 2 and no gradient)."""
+    if _trained_part(a) == _trained_part(b):
         return True
     first, second = keys if keys is not None else (_loose(a, tokenizer), _loose(b, tokenizer))
     return first == second
+
+
+def _trained_part(t: TokenRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A side's response ids and mask up to its last trained token: two sides equal there train the same tokens
+    after the same context (their log-probs, the policy's and the reference's, are equal: the loss is a constant,
+    log 2 for DPO, with no gradient), whatever untrained context follows (a later user turn or observation the
+    length limit, or the rollout's, cut where the two differ)."""
+    n = max((i + 1 for i, m in enumerate(t.mask) if m), default=0)
+    return tuple(t.response_ids[:n]), tuple(t.mask[:n])
 
 
 def _content(t: TokenRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -167,6 +185,23 @@ def _context_diff(contexts: list[list[tuple[Any, Any]]], cfg: DataConfig) -> str
         f"{keys[0]!r} and {keys[1]!r} differ at message {at} before their answers ({roles[0]!r} / {roles[1]!r}): "
         "they answer different prompts"
     )
+
+
+def _check_divergence(answers: list[list[dict[str, Any]]], cfg: DataConfig) -> None:
+    """A `prompt_not_shared` skip for two sides' message lists that share an answer and then first differ at a
+    message that is not an assistant answer (a later user turn, a tool result): their later answers reply to
+    different messages, as an implicit prompt ending on an assistant message would (`prompt_ends_on_assistant`)."""
+    c, r = answers
+    n = 0
+    while n < min(len(c), len(r)) and c[n] == r[n]:
+        n += 1
+    if 0 < n < min(len(c), len(r)) and (c[n]["role"] != "assistant" or r[n]["role"] != "assistant"):
+        raise SkipRow(
+            "prompt_not_shared",
+            f"{cfg.chosen_key!r} and {cfg.rejected_key!r} share their first {n} message(s), then differ at a "
+            f"{c[n]['role']!r} / {r[n]['role']!r} message, not at an assistant answer: their later answers reply "
+            "to different messages",
+        )
 
 
 def _hold_prompt(prompt: Any, chosen: Any, rejected: Any, cfg: DataConfig) -> bool:

@@ -16,7 +16,9 @@ Row forms (`detect_format` picks one per file from its columns, or `data.format`
   already ends with it).
   Message lists always go through the chat template; only the completion's assistant messages are trained.
 - `tokens`: `{"prompt_ids": [...], "response_ids": [...], "response_mask"?: [...]}` (rollout-only output): no
-  re-tokenisation; the ids must be in the vocabulary.
+  re-tokenisation; the ids must be in the vocabulary. A row whose `finish_reason` is "length" (its generation was
+  cut at the rollout's length limit: no end-of-turn token) is a truncated response like one cut here (counted;
+  a `response_too_long` skip with `data.truncate=false`).
 
 Chat layout (roll_core.posttrain.chat_encoder, `ChatEncoder`): the same an agentic RL trajectory has, so SFT
 trains exactly what sampling produces; mask 1 covers exactly the trained assistant turns and their end-of-turn
@@ -91,6 +93,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SFT_FORMATS = ("messages", "prompt_completion", "tokens")
+#: Token rows' column saying why a sampled response ended (rollout-only output: stop | length).
+FINISH_REASON = "finish_reason"
 
 
 @dataclass
@@ -229,7 +233,11 @@ class SFTTokenizer:
                         "bad_mask", f"{cfg.response_mask_key!r} must be 0/1, one per response id ({len(response)})"
                     )
                 mask = [int(m) for m in mask]
-            return TokenRow(prompt, response, mask, key=json.dumps(prompt))
+            # rollout-only's finish_reason "length": the rollout's length limit cut this response (no end-of-turn
+            # token), as max_response_length cuts one here; it was trained as a finished answer, uncounted, even
+            # with data.truncate=false
+            cut = row.get(FINISH_REASON) == "length"
+            return TokenRow(prompt, response, mask, key=json.dumps(prompt), truncated=cut)
         if form == "messages":
             messages = row_messages(row, cfg.messages_key)
             trained = [train_flag(m) for m in messages]
@@ -285,6 +293,11 @@ class SFTTokenizer:
             )
         if not row.prompt_ids:
             raise SkipRow("empty", "the prompt has no tokens (the first response token would have no context)")
+        if row.truncated and not self.cfg.truncate:  # a token row its rollout cut (finish_reason=length)
+            raise SkipRow(
+                "response_too_long",
+                f"the rollout cut this response at its length limit ({FINISH_REASON}=length; data.truncate=false)",
+            )
         if len(row.response_ids) > self.max_response:
             if not self.cfg.truncate:
                 raise SkipRow(
