@@ -37,11 +37,13 @@ Faults (Ray only; an in-process call cannot time out or die apart from the contr
   noted with the role, ranks, hook and the restart's cause. A hook that fails with a WorkerDiedError because every
   rank it restored died and was restarted (and restored, by the inner restart's hooks) inside it leaves a healthy
   group: it is logged, and the call is rerun.
-- One call's parts are sent to all its ranks under the group's submit lock (and so are a restart's reruns): two
+- One call's parts are sent to all its ranks under the group's submit lock: two
   threads calling the same group (an async run's trainer `train` beside an engine restore's `publish_weights`)
   otherwise interleaved their sends, and since Ray runs one caller's calls on an actor in the order sent, rank 0
   ran [train, publish] and rank 1 [publish, train]: their collectives mismatched (a hang, or wrong results). The
-  lock is held only while sending, never while waiting for results or for a restore.
+  lock is held only while sending, never while waiting for results or for a restore. A restart's reruns are sent
+  under it too, but they reach only the restarted ranks, after calls other threads sent since: a collective whose
+  ranks are rerun in part stays unsafe (why sharded trainers are not restartable).
 - A method that raised a Ray error of its own (a RayActorError: an actor it called died) is its error, not its
   worker's death: it is raised, noted, and nothing is restarted.
 - A method declared `retry=False` is not rerun: the worker is restarted, then `WorkerRestartedError` asks the
