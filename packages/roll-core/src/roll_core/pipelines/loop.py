@@ -57,7 +57,7 @@ from roll_core.config.resume import check_checkpoint, config_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.models import resolve_model_path
 from roll_core.pipelines._resume_schedule import log_schedule_rebase
-from roll_core.pipelines._run_endings import StopAborted, save_failure, signal_name
+from roll_core.pipelines._run_endings import StopAborted, free_bytes, save_failure, signal_name
 from roll_core.pipelines._run_summary import end_status, restored_skips, run_summary
 from roll_core.pipelines.collectors import Collector, CollectorContext, CollectorFactory
 from roll_core.pipelines.empty_steps import EmptySteps, EmptyStepsError
@@ -349,7 +349,8 @@ class Pipeline:
                     out["perf/time_sync"] = out.timers["sync"]
             out.update(self.collector.evaluate(step))
         self.tracker.log(step, out)
-        bar.set_postfix(progress_fields(out), refresh=False)
+        self._postfix = progress_fields(out, getattr(self, "_postfix", None))
+        bar.set_postfix(self._postfix, refresh=False)
         bar.update(1)
         due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
         saved = self.checkpoint(step) if due else None
@@ -496,11 +497,14 @@ class Pipeline:
             state["skipped_evals"] = list(getattr(self, "skipped_evals", ()))  # a resumed run's summary names them
             return self.ckpt.commit(tmp, step, state)
         except BaseException as exc:
+            free = free_bytes(tmp) if tmp is not None else None  # before the discard gives the space back
             if tmp is not None:
                 self.ckpt.discard(tmp)
-            if not isinstance(exc, Exception) or isinstance(exc, (WorkerDiedError, CallTimeoutError)):
+            # Interrupts and faults are raised as they are; torch's CheckpointException (an optimizer's DCP save on
+            # a full disk) is a BaseException too, and was a traceback ending in "unexpected pos 704 vs 598".
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit, WorkerDiedError, CallTimeoutError)):
                 raise
-            raise CheckpointError(save_failure(step, exc, self.ckpt.latest())) from exc
+            raise CheckpointError(save_failure(step, exc, self.ckpt.latest(), free)) from exc
 
     def _restore(self, folder: Path) -> None:
         state = self.ckpt.read_state(folder)
@@ -555,13 +559,22 @@ PROGRESS_FIELDS = (
     ("distill/kl", "kl", "{:.3f}"),
     ("distill/reverse_kl", "rkl", "{:.3f}"),
     ("rollout/rows", "rows", "{:.0f}"),
+    ("eval/accuracy", "eval_acc", "{:.2f}"),
     ("perf/step_seconds", "sec", "{:.1f}"),
 )
 
 
-def progress_fields(out: dict[str, Any]) -> dict[str, str]:
-    """The progress bar's postfix: the PROGRESS_FIELDS the step logged."""
-    return {short: fmt.format(out[key]) for key, short, fmt in PROGRESS_FIELDS if out.get(key) is not None}
+def progress_fields(out: dict[str, Any], previous: dict[str, str] | None = None) -> dict[str, str]:
+    """The progress bar's postfix: the PROGRESS_FIELDS the step logged. The held-out accuracy of the last evaluation
+    (in `previous`, the last postfix) stays on a step that did not evaluate: the run's headline number was shown
+    nowhere in the console until the summary (`acc` is the training batch's)."""
+    fields = {}
+    for key, short, fmt in PROGRESS_FIELDS:
+        if out.get(key) is not None:
+            fields[short] = fmt.format(out[key])
+        elif key == "eval/accuracy" and previous and short in previous:
+            fields[short] = previous[short]
+    return fields
 
 
 def _in_multirun() -> bool:
