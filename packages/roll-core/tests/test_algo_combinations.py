@@ -1,11 +1,15 @@
 """Pairs of algo options, each valid alone: the config refuses the pairs where one silently defeats the other, and the
 RL objective computes the pairs it accepts as documented (hand-computed on small tensors, fake roles, no model).
 
-Refused: a dual clip with a policy loss that has no clipped surrogate (cispo, tis, topr, vanilla ignored it), and
-DAPO dynamic sampling with groups of one (every group is uniform: each step sampled refill_max_batches batches and
-trained on nothing). Computed: KL in the reward with reinforce_pp (the trainer's old log-probs, not the engine's, and
-no KL loss beside it), an off-policy correction under several epochs and mini-batches (weights of the recomputed
-proximal log-probs over the engine's, computed once), and whitening after GRPO (a uniform group is re-centred).
+Refused: a dual clip with a policy loss that has no clipped surrogate (cispo, tis, topr, vanilla ignored it), DAPO
+dynamic sampling with groups of one (every group is uniform: each step sampled refill_max_batches batches and trained on
+nothing), and a setting the chosen built-in estimator or loss never reads (gamma < 1 with grpo, dr_grpo, rloo, or
+reinforce_pp on trajectories; lam < 1 with anything but gae; a non-default clip range with tis, topr, vanilla; a non-
+default ratio_cap with anything but tis); the lists of what ignores what are checked against the estimators and losses
+themselves, and an out-of-tree estimator or loss is never refused. Computed: KL in the reward with reinforce_pp (the
+trainer's old log-probs, not the engine's, and no KL loss beside it), an off-policy correction under several epochs and
+mini-batches (weights of the recomputed proximal log-probs over the engine's, computed once), and whitening after GRPO
+(a uniform group is re-centred).
 """
 
 from __future__ import annotations
@@ -16,13 +20,17 @@ import pytest
 import torch
 
 from roll_algos.advantages import discounted_returns, whiten
-from roll_algos.losses import NO_DUAL_CLIP
+from roll_algos.losses import NO_CLIP_RANGE, NO_DUAL_CLIP, NO_RATIO_CAP, POLICY_LOSS_VARIANTS, policy_loss
+from roll_core import registry
+from roll_core.algorithms import NO_GAMMA, NO_GAMMA_TRAJECTORIES, NO_LAM, load_estimator
 from roll_core.config import ConfigError, compose, to_object
+from roll_core.config import algo as algo_module
 from roll_core.config.schema import AlgoConfig
 from roll_core.pipelines.collectors import Collected
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.objectives.rl import RLObjective
 from roll_core.protocol import Batch
+from roll_core.testing.estimators import outcome_inputs, trajectory_inputs
 
 # ---------------------------------------------------------------- refused pairs
 
@@ -50,6 +58,140 @@ def test_dynamic_sampling_needs_groups_of_two() -> None:
     with pytest.raises(ValueError, match=r"group_size >= 2, or drop_uniform_groups=false"):
         AlgoConfig(adv_estimator="reinforce_pp", group_size=1, drop_uniform_groups=True)
     assert AlgoConfig(adv_estimator="reinforce_pp", group_size=2, drop_uniform_groups=True).drop_uniform_groups
+
+
+BUILT_IN_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "gigpo", "turn_grpo")
+
+
+@pytest.mark.parametrize("estimator", NO_GAMMA)
+def test_a_discount_is_refused_with_an_estimator_that_never_discounts(estimator: str) -> None:
+    with pytest.raises(
+        ValueError, match=rf"algo\.gamma=0\.9 .*adv_estimator={estimator} never reads it: set algo\.gamma=1"
+    ):
+        AlgoConfig(adv_estimator=estimator, gamma=0.9)
+    AlgoConfig(adv_estimator=estimator, gamma=1.0)
+
+
+@pytest.mark.parametrize("estimator", NO_LAM)
+def test_a_gae_lambda_is_refused_with_any_estimator_but_gae(estimator: str) -> None:
+    with pytest.raises(
+        ValueError, match=rf"algo\.lam=0\.95 .*adv_estimator={estimator} never reads it: set algo\.lam=1"
+    ):
+        AlgoConfig(adv_estimator=estimator, lam=0.95)
+
+
+@pytest.mark.parametrize("estimator", sorted(set(BUILT_IN_ESTIMATORS) - set(NO_GAMMA)))
+def test_a_discount_is_kept_by_the_estimators_that_read_it(estimator: str) -> None:
+    assert AlgoConfig(adv_estimator=estimator, gamma=0.9).gamma == 0.9
+
+
+@pytest.mark.parametrize("variant", NO_CLIP_RANGE)
+@pytest.mark.parametrize("key", ["clip_low", "clip_high"])
+def test_a_clip_range_is_refused_with_a_loss_that_never_clips_the_ratio(variant: str, key: str) -> None:
+    with pytest.raises(
+        ValueError, match=rf"algo\.{key}=0\.28 .*policy_loss={variant} never reads it: set algo\.{key}=0\.2"
+    ):
+        AlgoConfig(policy_loss=variant, **{key: 0.28})
+    AlgoConfig(policy_loss=variant, **{key: 0.2})  # the default every config carries: fine
+
+
+@pytest.mark.parametrize("variant", NO_RATIO_CAP)
+def test_a_ratio_cap_is_refused_with_any_loss_but_tis(variant: str) -> None:
+    with pytest.raises(
+        ValueError, match=rf"algo\.ratio_cap=1\.5 .*policy_loss={variant} never reads it: set algo\.ratio_cap=2\.0"
+    ):
+        AlgoConfig(policy_loss=variant, ratio_cap=1.5)
+
+
+def test_the_settings_are_kept_where_they_are_read() -> None:
+    assert AlgoConfig(adv_estimator="gae", gamma=0.9, lam=0.95).lam == 0.95
+    assert AlgoConfig(policy_loss="tis", ratio_cap=1.5).ratio_cap == 1.5
+    for variant in ("ppo", "gspo", "cispo"):
+        assert AlgoConfig(policy_loss=variant, clip_low=0.1, clip_high=0.28).clip_high == 0.28
+
+
+def test_presets_switched_to_a_loss_or_estimator_that_ignores_their_settings_name_them() -> None:
+    with pytest.raises(ConfigError, match=r"algo\.clip_high=0\.28 .*algo\.policy_loss=topr never reads it"):
+        to_object(compose(["algo=dapo", "algo.policy_loss=topr"]))  # dapo's clip-higher
+    with pytest.raises(ConfigError, match=r"algo\.clip_low=0\.0003 .*algo\.policy_loss=tis never reads it"):
+        to_object(compose(["algo=gspo", "algo.policy_loss=tis"]))  # gspo's sequence-ratio clip range
+    with pytest.raises(ConfigError, match=r"algo\.gamma=0\.99 .*algo\.adv_estimator=grpo never reads it"):
+        to_object(compose(["algo=grpo", "algo.gamma=0.99"]))
+    with pytest.raises(ConfigError, match=r"algo\.lam=0\.95 .*algo\.adv_estimator=rloo never reads it"):
+        to_object(compose(["algo=rloo", "algo.lam=0.95"]))
+
+
+def test_an_out_of_range_value_is_said_before_it_is_called_ignored() -> None:
+    with pytest.raises(ValueError, match=r"algo\.ratio_cap=0\.0 must be > 0"):
+        AlgoConfig(ratio_cap=0.0)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 1\]"):
+        AlgoConfig(gamma=2.0)
+
+
+def test_out_of_tree_estimators_and_losses_are_never_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin may read any of these settings: only roll's own names are known to ignore them."""
+    choices = algo_module.algo_choices()
+    plugged = {
+        **choices,
+        "adv_estimator": (*choices["adv_estimator"], "my_estimator"),
+        "policy_loss": (*choices["policy_loss"], "my_loss"),
+    }
+    monkeypatch.setattr(algo_module, "algo_choices", lambda: plugged)
+    cfg = AlgoConfig(
+        adv_estimator="my_estimator", policy_loss="my_loss", gamma=0.9, lam=0.95, ratio_cap=1.5, clip_high=0.28
+    )
+    assert (cfg.gamma, cfg.lam, cfg.ratio_cap, cfg.clip_high) == (0.9, 0.95, 1.5, 0.28)
+
+
+def test_reinforce_pp_on_trajectories_refuses_a_discount_it_never_reads() -> None:
+    for name in NO_GAMMA_TRAJECTORIES:
+        with pytest.raises(ConfigError, match=rf"algo\.gamma=0\.9 .*adv_estimator={name} on trajectory batches"):
+            load_estimator(name, trajectories=True, gamma=0.9)
+        load_estimator(name, trajectories=True, gamma=1.0)
+    load_estimator("reinforce_pp", trajectories=False, gamma=0.9)  # outcome batches discount the token rewards
+    for name in ("gigpo", "turn_grpo"):
+        load_estimator(name, trajectories=True, gamma=0.9)
+
+
+def _estimate(name: str, trajectories: bool, gamma: float, lam: float) -> torch.Tensor:
+    est = registry.load("roll.algorithms", name)
+    if trajectories:
+        x, _ = trajectory_inputs(with_turns=bool(getattr(est, "needs_turns", False)))
+    else:
+        x = outcome_inputs(with_values=True)
+    algo = SimpleNamespace(group_size=4, gamma=gamma, lam=lam, norm_mean_type=None, norm_std_type=None)
+    return est(x, algo)[0]
+
+
+@pytest.mark.parametrize("name", BUILT_IN_ESTIMATORS)
+def test_the_lists_of_estimators_that_ignore_gamma_and_lam_are_what_the_estimators_do(name: str) -> None:
+    assert set(BUILT_IN_ESTIMATORS) <= set(registry.available("roll.algorithms"))
+    est = registry.load("roll.algorithms", name)
+    if not getattr(est, "needs_turns", False):
+        base = _estimate(name, False, 1.0, 1.0)
+        assert torch.equal(_estimate(name, False, 0.5, 1.0), base) == (name in NO_GAMMA), "gamma, outcome batch"
+        assert torch.equal(_estimate(name, False, 1.0, 0.5), base) == (name in NO_LAM), "lam, outcome batch"
+    if getattr(est, "trajectories", True):
+        base = _estimate(name, True, 1.0, 1.0)
+        assert torch.equal(_estimate(name, True, 0.5, 1.0), base) == (name in NO_GAMMA_TRAJECTORIES), (
+            "gamma, trajectories"
+        )
+        assert torch.equal(_estimate(name, True, 1.0, 0.5), base), "lam on trajectories (only gae reads it; no form)"
+
+
+@pytest.mark.parametrize("variant", POLICY_LOSS_VARIANTS)
+def test_the_lists_of_losses_that_ignore_the_clip_range_and_ratio_cap_are_what_the_losses_do(variant: str) -> None:
+    logp = -torch.linspace(0.1, 2.4, 24).reshape(4, 6)
+    old = logp - torch.tensor([-1.2, -0.5, 0.7, 1.1])[:, None]  # each row's ratio (gspo's too): 0.3, 0.6, 2.0, 3.0
+    adv, mask = torch.tensor([1.0, -1.0]).repeat(4, 3), torch.ones(4, 6)  # both signs in every row
+
+    def loss(**kw: float) -> torch.Tensor:
+        return policy_loss(logp, old, adv, mask, variant=variant, **kw)[0]
+
+    base = loss()
+    assert torch.equal(loss(clip_low=0.1), base) == (variant in NO_CLIP_RANGE)
+    assert torch.equal(loss(clip_high=0.4), base) == (variant in NO_CLIP_RANGE)
+    assert torch.equal(loss(ratio_cap=1.2), base) == (variant in NO_RATIO_CAP)
 
 
 # ---------------------------------------------------------------- accepted pairs, by hand

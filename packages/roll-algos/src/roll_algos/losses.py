@@ -38,7 +38,9 @@ from roll_algos._plugins import PolicyLossPluginError
 
 __all__ = [
     "AGG_MODES",
+    "NO_CLIP_RANGE",
     "NO_DUAL_CLIP",
+    "NO_RATIO_CAP",
     "POLICY_LOSS_VARIANTS",
     "PolicyLoss",
     "PolicyLossPluginError",
@@ -68,6 +70,11 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 #: roll-algos' own variants that never read `dual_clip`: a stop-gradient weight times A logp, no clipped surrogate
 #: to bound (the config refuses a dual clip with them: it would be silently ignored).
 NO_DUAL_CLIP = ("cispo", "tis", "topr", "vanilla")
+#: roll-algos' own variants that never read `clip_low` / `clip_high` (tis caps its weight with `ratio_cap`, topr
+#: clips at [0, 1], vanilla has no weight); the config refuses a non-default clip range with them.
+NO_CLIP_RANGE = ("tis", "topr", "vanilla")
+#: roll-algos' own variants that never read `ratio_cap` (every one but tis); the config refuses a non-default cap.
+NO_RATIO_CAP = ("ppo", "gspo", "cispo", "topr", "vanilla")
 #: The installed policy-loss names (`policy_loss_names()`), computed on first access by the module `__getattr__`
 #: below: reading entry-point metadata costs ~50 ms, which importing this module must not.
 POLICY_LOSS_VARIANTS: tuple[str, ...]

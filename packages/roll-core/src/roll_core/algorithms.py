@@ -46,6 +46,15 @@ class AdvantageEstimator(Protocol):
 
 Estimator = Callable[[AdvantageInputs, Any], tuple[Tensor, Tensor | None]]
 
+#: roll-core's estimators that never read `algo.gamma` (group baselines of the outcome: no per-token return to
+#: discount); the config refuses a gamma < 1 with them. Out-of-tree estimators are never listed: they may read it.
+NO_GAMMA = ("grpo", "dr_grpo", "rloo")
+#: ... and those that never read it on trajectory batches (reinforce_pp whitens the episode rewards there);
+#: `load_estimator(trajectories=True)` refuses a gamma < 1 with them.
+NO_GAMMA_TRAJECTORIES = (*NO_GAMMA, "reinforce_pp")
+#: roll-core's estimators that never read `algo.lam` (only gae does); the config refuses a lam < 1 with them.
+NO_LAM = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gigpo", "turn_grpo")
+
 
 def _kind(*, trajectories: bool = True, needs_turns: bool = False) -> Callable[[Estimator], Estimator]:
     def mark(fn: Estimator) -> Estimator:
@@ -162,12 +171,21 @@ def token_rewards_from_scores(scores: Tensor, mask: Tensor) -> Tensor:
     return _last_token_mask(mask).to(scores.dtype) * scores[:, None]
 
 
-def load_estimator(name: str, *, trajectories: bool) -> Estimator:
-    """The `roll.algorithms` estimator `name`, checked against the batches it will see (a ConfigError if not)."""
+def load_estimator(name: str, *, trajectories: bool, gamma: float = 1.0) -> Estimator:
+    """The `roll.algorithms` estimator `name`, checked against the batches it will see (a ConfigError if not).
+
+    `gamma` is `algo.gamma`: a discount < 1 that `name` never reads on these batches (`NO_GAMMA_TRAJECTORIES`;
+    the config itself refuses `NO_GAMMA`, which ignore it on every batch) is refused, not silently ignored."""
     from roll_core import registry
     from roll_core.errors import ConfigError
 
     est = registry.load("roll.algorithms", name)
+    if trajectories and gamma != 1.0 and name in NO_GAMMA_TRAJECTORIES:
+        raise ConfigError(
+            f"algo.gamma={gamma} discounts per-token or per-turn returns; algo.adv_estimator={name} on trajectory "
+            "batches (pipeline=agentic) uses each episode's reward undiscounted and would ignore it: set "
+            "algo.gamma=1, or use adv_estimator=turn_grpo or gigpo (they discount per turn)"
+        )
     if getattr(est, "needs_turns", False) and not trajectories:
         raise ConfigError(f"algo.adv_estimator={name} groups steps of multi-turn episodes: use pipeline=agentic")
     if trajectories and not getattr(est, "trajectories", True):

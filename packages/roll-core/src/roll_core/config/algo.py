@@ -2,13 +2,14 @@
 
 Contract: registered with the other roll-core schemas (roll_core.config.schema.register_configs); the names an
 option accepts come from where they are implemented (`algo_choices`: installed entry points and roll-algos' lists),
-checked in `__post_init__` with a message that says how to fix the value.
+checked in `__post_init__` with a message that says how to fix the value. A setting that the chosen built-in
+estimator or policy loss never reads (algo.gamma with grpo, algo.ratio_cap with ppo, ...) is refused there too.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from roll_core.config.checks import one_of, positive, positive_or_null
 
@@ -75,14 +76,16 @@ class AlgoConfig:
     # micro-batches and data-parallel ranks), the seq-mean modes by its rows; the KL loss and the entropy bonus are
     # aggregated the same way.
     loss_agg: str = "token-mean"
-    # Lower PPO clip epsilon (ratio >= 1 - clip_low).
+    # Lower PPO clip epsilon (ratio >= 1 - clip_low); read by policy_loss ppo, gspo and cispo (tis, topr and vanilla
+    # refuse a value other than the default).
     clip_low: float = 0.2
-    # Upper PPO clip epsilon; > clip_low is DAPO's clip-higher.
+    # Upper PPO clip epsilon; > clip_low is DAPO's clip-higher. Read by ppo, gspo and cispo, as clip_low.
     clip_high: float = 0.2
     # Dual-clip constant c > 1 bounding negative-advantage loss at c*|A| (policy_loss ppo, gspo; cispo, tis, topr
     # and vanilla have no clipped surrogate and refuse it); null disables.
     dual_clip: float | None = None
-    # Ratio cap of the tis variant (cispo bounds its weight with clip_low/clip_high instead).
+    # Ratio cap of the tis variant (cispo bounds its weight with clip_low/clip_high instead); the other losses never
+    # read it and refuse a value other than the default.
     ratio_cap: float = 2.0
     # KL-to-reference coefficient; 0 disables the reference model entirely.
     kl_coef: float = 0.0
@@ -96,9 +99,10 @@ class AlgoConfig:
     kl_horizon: int = 10000
     # Entropy bonus coefficient (subtracted from the loss).
     entropy_coef: float = 0.0
-    # Discount for gae / returns.
+    # Discount of the returns: read by adv_estimator reinforce_pp (not on agentic trajectories), reinforce_pp_baseline,
+    # gae, gigpo and turn_grpo; grpo, dr_grpo and rloo never discount and refuse a gamma < 1.
     gamma: float = 1.0
-    # GAE lambda.
+    # GAE lambda: read by adv_estimator=gae only (the other built-in estimators refuse a lam < 1).
     lam: float = 1.0
     # Critic learning rate (gae only).
     critic_lr: float = 1e-5
@@ -272,6 +276,42 @@ class AlgoConfig:
                 f"algo.group_size={self.group_size} never does: set group_size >= 2, or drop_uniform_groups=false"
             )
 
+    def _check_ignored(self) -> None:
+        """Values that the chosen estimator or loss never reads (they would be silently ignored).
+
+        Only roll's own estimators and losses are listed as ignoring a setting: an out-of-tree one may read it. A
+        setting with a non-null default (ratio_cap, clip_low, clip_high) is refused only when set to another value,
+        since every config carries the default.
+        """
+        from roll_algos.losses import NO_CLIP_RANGE, NO_RATIO_CAP
+        from roll_core.algorithms import NO_GAMMA, NO_LAM
+
+        estimator, loss = self.adv_estimator, self.policy_loss
+        if self.gamma != 1.0 and estimator in NO_GAMMA:
+            raise ValueError(
+                f"algo.gamma={self.gamma} discounts the returns of adv_estimator reinforce_pp, reinforce_pp_baseline, "
+                f"gae, gigpo and turn_grpo; algo.adv_estimator={estimator} never reads it: set algo.gamma=1"
+            )
+        if self.lam != 1.0 and estimator in NO_LAM:
+            raise ValueError(
+                f"algo.lam={self.lam} is the GAE lambda of adv_estimator=gae; algo.adv_estimator={estimator} never "
+                "reads it: set algo.lam=1"
+            )
+        default = {f.name: f.default for f in fields(self)}
+        for key in ("clip_low", "clip_high"):
+            if getattr(self, key) != default[key] and loss in NO_CLIP_RANGE:
+                raise ValueError(
+                    f"algo.{key}={getattr(self, key)} bounds the ratio of policy_loss ppo, gspo and cispo; "
+                    f"algo.policy_loss={loss} never reads it: set algo.{key}={default[key]} (the default; tis "
+                    "caps its weight with algo.ratio_cap)"
+                )
+        if self.ratio_cap != default["ratio_cap"] and loss in NO_RATIO_CAP:
+            raise ValueError(
+                f"algo.ratio_cap={self.ratio_cap} caps the weight of policy_loss=tis; algo.policy_loss={loss} never "
+                f"reads it: set algo.ratio_cap={default['ratio_cap']} (the default; cispo bounds its weight with "
+                "algo.clip_low/clip_high)"
+            )
+
     def _check_normalisation(self) -> None:
         from roll_algos.advantages import NORM_TYPES
 
@@ -341,3 +381,4 @@ class AlgoConfig:
                 f"algo.kl_in_reward=true needs a token-reward estimator (reinforce_pp, "
                 f"reinforce_pp_baseline, gae), not {self.adv_estimator}: use the KL loss instead"
             )
+        self._check_ignored()  # after the range checks: an out-of-range value is said as such first

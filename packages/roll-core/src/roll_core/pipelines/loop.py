@@ -144,7 +144,7 @@ class Pipeline:
         objective = load_objective(getattr(factory, "objective", "rl"))
         needs = objective.needs(cfg)
         if getattr(factory, "objective", "rl") == "rl":
-            load_estimator(cfg.algo.adv_estimator, trajectories=factory.trajectories)
+            load_estimator(cfg.algo.adv_estimator, trajectories=factory.trajectories, gamma=cfg.algo.gamma)
 
         # Checkpoints record the config they were saved with: a resumed run's changed settings take effect (and are
         # logged) or are refused before anything is built, and config.yaml then says what is in effect.

@@ -45,7 +45,7 @@ class RLObjective:
     def __init__(self, cfg: RLVRConfig, roles: Roles, *, trajectories: bool) -> None:
         algo = cfg.algo
         self.cfg, self.roles = cfg, roles
-        self.estimator = load_estimator(algo.adv_estimator, trajectories=trajectories)
+        self.estimator = load_estimator(algo.adv_estimator, trajectories=trajectories, gamma=algo.gamma)
         if trajectories and algo.kl_in_reward:  # reinforce_pp's trajectory path reads episode rewards only
             raise ConfigError(
                 "algo.kl_in_reward=true: trajectory batches (pipeline=agentic) score whole episodes, with no per-token "
