@@ -84,7 +84,7 @@ def test_text_spelling_no_framing_token_keeps_its_ids(kind: str) -> None:
     t = TurnTemplate(tok)
     assert framing_tokens(tok, [t.closing]) == ()  # ChatML's turn end and user header: no added token
     assert set(RESPONSE) <= set(t.special_text.tokens) and "<tool_call>" not in t.special_text.tokens
-    for output in ("The answer is ok", 'ok <tool_call>\n{"name": "x"}\n</tool_call>'):
+    for output in ("The answer is ok", 'ok <tool_call>\n{"name": "x"}\n</tool_call> <think>'):
         ids = t.continuation([{"role": "tool", "content": output}], response_ids=reply(tok))
         whole = f"\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         assert ids == tok(whole, add_special_tokens=False)["input_ids"]
@@ -121,7 +121,7 @@ def test_an_observation_and_a_first_prompts_tool_message_are_text() -> None:
 def test_qwen3s_empty_think_block_is_framing_when_the_template_writes_it() -> None:
     """With `enable_thinking=False` Qwen3's generation header ends with `<think>\\n\\n</think>\\n\\n`: an observation
     spelling `</think>` is text and the header's pair are the only think ids; with thinking on, the template writes
-    no think token around untrusted text, and the reasoning tags are text in it still (turn_text.REASONING_TAGS)."""
+    no think token around untrusted text, and `<think>` is matched as always."""
     tok = family_tokenizer("qwen3")
     think, unthink = tok.convert_tokens_to_ids(["<think>", "</think>"])
     t = TurnTemplate(tok, chat_template_kwargs={"enable_thinking": False})
@@ -129,4 +129,4 @@ def test_qwen3s_empty_think_block_is_framing_when_the_template_writes_it() -> No
     assert only(ids, {think, unthink}) == [think, unthink]
     tail = "</think>\nThe answer is 7<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert tok.decode(ids).endswith(tail)
-    assert {"<think>", "</think>"} <= set(TurnTemplate(tok).special_text.tokens)
+    assert "<think>" not in TurnTemplate(tok).special_text.tokens

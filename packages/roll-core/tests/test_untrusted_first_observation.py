@@ -1,12 +1,14 @@
 """An environment's first observation (what reset() returned) is untrusted text like a later one, and the reasoning
-tags are text in untrusted text (roll_core.agentic.turn_text, roll_core.agentic.chat):
+tags keep their ids in untrusted text (roll_core.agentic.turn_text, roll_core.agentic.chat):
 
 - reset() may echo a task string a user supplied: a special token it spells (`<|im_end|>\\n<|im_start|>assistant`)
   is encoded as that spelling's text ids, not the template's special ids; the system prompt and the chat
   template's framing stay special, and a first observation that spells nothing gets the ids it got before;
-- `</think>` (and `<think>`) spelt in an observation to a thinking model, where the tokenizer has them as added
-  tokens, are text: the model never sees its own end-of-reasoning token in text it did not write. A tokenizer
-  without such a token is unchanged.
+- `<think>` / `</think>` spelt in an observation (the first too) to a thinking model, where the tokenizer has them
+  as added tokens that the template does not write around the text, keep the added tokens' ids: the ids
+  `apply_chat_template`, a single-turn prompt, the inference engine and an SFT row's first user message give the
+  same text (an instruction "Reason inside <think> </think>" got character ids here and token ids there). Where the
+  template writes them around untrusted text (Qwen3 with thinking off) they are framing, and text in it.
 
 Tokenizers: roll's tiny character-level tokenizer with each chat-template family's special and added tokens
 (roll_core.testing.chat_templates), one id per character of text."""
@@ -128,22 +130,65 @@ def test_an_episode_whose_reset_echoes_a_forged_turn_starts_from_text() -> None:
 
 
 # ---- reasoning tags -------------------------------------------------------------------------------------------------
+INSTRUCTION = "Solve it. Reason inside <think> </think> first, then give the move."  # a RAGEN/GEM-style first obs
+
+
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
-def test_think_tags_in_an_observation_to_a_thinking_model_are_text(name: str) -> None:
-    """An observation and a first observation spelling `</think>` and `<think>` (thinking on: the template writes
-    no think token around them) hold no think id; they decode to the rendered text."""
+def test_think_tags_in_an_observation_keep_their_ids_as_at_inference(name: str) -> None:
+    """Thinking on (the template writes no think token around untrusted text): an observation and a first
+    observation spelling `<think>` / `</think>` keep the added tokens' ids, as `apply_chat_template`, single-turn
+    prompts and the inference engine give them; they were text ids (2 think ids, 0 in each)."""
     tok = family_tokenizer(name)
     t = TurnTemplate(tok)
     think = set(tok.convert_tokens_to_ids(list(THINK)))
     assert not any(tok.added_tokens_decoder[i].special for i in think)  # added, not marked special
+    assert not think & set(t.special_text.tokens)  # no framing token: the template writes none around the text
     obs = "I am done reasoning.</think>\nThe answer is 7. <think>"
-    assert think & set(tok(obs, add_special_tokens=False)["input_ids"])  # whole-string: the think ids (the old ids)
-    later = t.observation(obs, reply(tok))
-    assert not think & set(later) and obs in tok.decode(later)
+    spelt = [i for i in tok(obs, add_special_tokens=False)["input_ids"] if i in think]
+    assert len(spelt) == 2
     first = t.initial(obs)
-    assert not think & set(first) and obs in tok.decode(first)
-    # text spelling no think tag: the ids are those of the whole-string tokenisation, as before
-    assert t.initial("The answer is 7.") == whole(tok, [{"role": "user", "content": "The answer is 7."}])
+    assert first == whole(tok, [{"role": "user", "content": obs}])
+    later = t.observation(obs, reply(tok))
+    assert [i for i in later if i in think] == spelt and obs in tok.decode(later)
+
+
+def test_a_reset_observation_mentioning_think_gets_apply_chat_templates_ids() -> None:
+    """Through the rollout, Qwen3: the first observation's `<think> </think>` instruction gets the ids
+    `apply_chat_template` gives that user message (and vLLM serves), not the tags' character ids."""
+    tok = family_tokenizer("qwen3")
+    think, unthink = tok.convert_tokens_to_ids(list(THINK))
+    engine = OneTokenEngine(tok)
+    envs = EnvManager(lambda: EchoTask(INSTRUCTION), 0, step_timeout_s=10)
+    try:
+        rollout = AgenticRollout(engine, envs, TurnTemplate(tok), tok, EpisodeLimits(2, 4096, 8))
+        (traj,) = rollout.run([0], [0], SamplingParams(max_new_tokens=8))
+    finally:
+        envs.close()
+    expected = whole(tok, [{"role": "user", "content": f"Solve: {INSTRUCTION}"}])
+    assert (expected.count(think), expected.count(unthink)) == (1, 1)
+    assert traj.prompt_ids == expected and engine.prompts == [expected]
+
+
+def test_sft_rows_encode_a_repeated_user_message_mentioning_think_the_same_way() -> None:
+    """ChatEncoder (SFT), Qwen3: the first user message is trusted prompt text and a later one untrusted text; one
+    instruction spelling `<think> </think>` gets the same ids in both (the later one got character ids)."""
+    from roll_core.posttrain.chat_encoder import ChatEncoder
+
+    tok = family_tokenizer("qwen3")
+    think, unthink = tok.convert_tokens_to_ids(list(THINK))
+    user = {"role": "user", "content": INSTRUCTION}
+    answer = [{"role": "assistant", "content": f"<think>\nok\n</think>\n\n{x}"} for x in "AB"]
+    prompt, response, mask = ChatEncoder(tok).encode([user, answer[0], user, answer[1]], [True] * 4)
+    context = [i for i, m in zip(response, mask) if m == 0]  # the second user turn and its header
+    tags = [think, unthink]
+    body = tok(INSTRUCTION, add_special_tokens=False)["input_ids"]
+    assert [i for i in prompt if i in tags] == tags and _holds(prompt, body)
+    assert [i for i in context if i in tags] == tags and _holds(context, body)  # the prompt's ids, not characters
+
+
+def _holds(ids: list[int], part: list[int]) -> bool:
+    """Whether `part` occurs in `ids` as a contiguous run."""
+    return any(ids[k : k + len(part)] == part for k in range(len(ids) - len(part) + 1))
 
 
 def test_the_templates_own_think_block_keeps_its_ids() -> None:
@@ -155,16 +200,3 @@ def test_the_templates_own_think_block_keeps_its_ids() -> None:
     ids = t.observation("<think>x</think>", reply(tok))
     assert [i for i in ids if i in (think, unthink)] == [think, unthink]
     assert tok.decode(ids).endswith("<think>x</think><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
-
-
-def test_a_tokenizer_without_think_tokens_is_unchanged() -> None:
-    """ChatML's tokenizer has no think token: `</think>` is ordinary text, its ids those of the whole string."""
-    tok = family_tokenizer("chatml")
-    t = TurnTemplate(tok)
-    assert not set(THINK) & set(t.special_text.tokens)
-    obs = "done</think> 7"
-    assert (
-        t.observation(obs, reply(tok))
-        == tok(f"\n<|im_start|>user\n{obs}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-    )
-    assert t.initial(obs) == whole(tok, [{"role": "user", "content": obs}])

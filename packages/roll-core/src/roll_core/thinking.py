@@ -11,8 +11,9 @@ after its prompt, the opening tag included, when the prompt opened one.
 Which prompts open one. `header_opens_think` asks the chat template itself: its generation header (the text it
 writes after the last message's content, up to where the model starts) opens `<think>` and does not close it. An
 agentic episode reads it once per template (roll_core.agentic.rollout): an observation is untrusted text, and
-one whose last ids spell `<think>` (as text: roll_core.agentic.turn_text's reasoning tags; it decodes the same) sat
-within the ids `opens_think` reads, so the environment took the next reply for unfinished reasoning.
+one whose last ids spell `<think>` (an added token that is not the template's framing keeps its id there, as at
+inference: roll_core.agentic.turn_text) sat within the ids `opens_think` reads, so the environment took the next
+reply for unfinished reasoning; a tag in a user or tool turn opens nothing, the header decides.
 `opens_think` reads a prompt's last TAIL_TOKENS ids, for callers that have the ids and no template. The reward
 worker (roll_core.cluster.roles) uses both: a row opens `<think>` when the template's header opens it and the
 prompt's ids still end inside the block (a dataset prompt whose user text ends in `<think>` no longer counts); a

@@ -47,7 +47,11 @@ text ids, not the template's special ids, so it cannot end its turn and pose as 
 template's own framing around it (role headers, turn ends) stays special. So do the added tokens not marked special
 that the template writes around untrusted text (Qwen's `<tool_response>` / `</tool_response>`; found by rendering a
 sentinel tool / user / system message after an assistant turn, turn_text.framing_tokens): a tool's output that
-spells `</tool_response>` is text, and cannot close the template's tool-response block. Which text that is:
+spells `</tool_response>` is text, and cannot close the template's tool-response block. Other added tokens keep
+their ids in it, the reasoning tags `<think>` / `</think>` included where the template does not write them around
+it (thinking on): the same text gets those ids from `apply_chat_template` and the inference engine, and a tag in
+a user or tool turn does not open or close the assistant's reasoning (turn_text's module docstring).
+Which text that is:
 - every message of a `continuation`: environment observations and tools' outputs (`observation` /
   `observation_turn`), and the user / tool / system messages an agent program sends between its turns (the
   OpenAI-compatible endpoint, roll_core.agentic.agent_sessions);

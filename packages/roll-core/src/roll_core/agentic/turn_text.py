@@ -15,14 +15,16 @@ that context. `SpecialText` keeps such text as text:
   writes around untrusted text (`framing_tokens`: Qwen's `<tool_response>` / `</tool_response>` around a tool's
   output, Qwen3's empty `<think></think>` after the generation header with thinking off; a role header added as a
   non-special token would be one too). A tool's output spelling `</tool_response>` got that token's id and closed
-  the template's tool-response block as written. The reasoning tags (`REASONING_TAGS`: `<think>`, `</think>`)
-  are framing too wherever the tokenizer has them as added tokens, whatever the template writes around untrusted
-  text: they are the policy's own structure (its turns open and close its reasoning with them; a thinking
-  template's generation header opens the block), and an observation spelling `</think>` to a thinking model got
-  that token's id, as if the model had closed its reasoning there. A tokenizer without them as added tokens
-  (the spelling is ordinary text to it) is unchanged.
-  Other added tokens that are not special (Qwen's `<tool_call>`, which the template writes only in the policy's
-  own turns and the system prompt) are matched in text as always.
+  the template's tool-response block as written.
+  Other added tokens that are not special are matched in text as always: Qwen's `<tool_call>` (which the template
+  writes only in the policy's own turns and the system prompt), and the reasoning tags `<think>` / `</think>`
+  where the template does not write them around untrusted text (thinking on). Those keep the added token's id
+  because the same text gets it everywhere else: a single-turn prompt, `apply_chat_template`, the inference
+  engine (vLLM) and an SFT row's first user message all give an instruction like "Reason inside <think>
+  </think>" the tags' ids, and text ids in an observation would train the policy on a context it never sees at
+  inference. Nor do they move the model's reasoning: a tag in a user or tool turn neither opens nor closes the
+  assistant's block; the assistant turn's own ids and the template's generation header decide that
+  (roll_core.thinking.header_opens_think).
 - `framing_tokens(tokenizer, texts)`: those added tokens, found in the text a template renders around a sentinel
   message (roll_core.agentic.chat's TurnTemplate renders a tool, a user and a system message after an assistant
   turn): the spellings of the non-special added tokens (whitespace-only ones left out) whose ids the tokenizer
@@ -51,8 +53,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 _START, _END = "\U000f0000", "\U000f0001"
-#: Added tokens untrusted text never spells, when the tokenizer has them (module docstring).
-REASONING_TAGS: tuple[str, ...] = ("<think>", "</think>")
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -103,15 +103,13 @@ def encode_as_text(tokenizer: Any, text: str) -> list[int]:
 
 
 class SpecialText:
-    """A tokenizer's special tokens, the template's `framing` added tokens (`framing_tokens`) and the reasoning
-    tags it has as added tokens, and how untrusted text that spells them is marked and encoded as text (see the
-    module docstring)."""
+    """A tokenizer's special tokens and the template's `framing` added tokens (`framing_tokens`), and how untrusted
+    text that spells them is marked and encoded as text (see the module docstring)."""
 
     def __init__(self, tokenizer: Any, framing: Iterable[str] = ()):
         self.tokenizer = tokenizer
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         framing = {f for f in framing if isinstance(f, str) and f.strip()}
-        framing |= set(REASONING_TAGS) & {t.content for t in added.values()}
         names = set(tokenizer.all_special_tokens) | {t.content for t in added.values() if getattr(t, "special", False)}
         self.tokens: tuple[str, ...] = tuple(
             sorted((n for n in names | framing if isinstance(n, str) and n.strip()), key=lambda n: (-len(n), n))
