@@ -65,3 +65,30 @@ def test_the_launcher_named_basic_is_rolls(tmp_path: Path, monkeypatch: pytest.M
     code, ran = _sweep(monkeypatch, "hydra/launcher=basic", "+algo.nope=1,2", f"hydra.sweep.dir={sw}")
     assert (code, ran) == (2, [])
     assert not (sw / "0").exists()
+
+
+def test_a_jobs_config_warning_is_logged_once_per_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The batch check composes and checks every job's config, and each job checks its own again when it runs in
+    this process: the check's warnings (here the near-greedy group temperature) came twice per job."""
+    from roll_core.config.compose import to_object
+
+    ran: list[int] = []
+
+    def run(cfg: Any) -> dict[str, Any]:
+        ran.append(int(to_object(cfg).algo.group_size))  # the job's own check, as cli.run_job makes it
+        return {"final_eval_accuracy": 0.5}
+
+    monkeypatch.setattr(cli, "run_job", run)
+    sw = tmp_path / "sweep"
+    args = ["algo.group_size=2,4", "infer_engine.temperature=0.01", f"hydra.sweep.dir={sw}"]
+    monkeypatch.setattr(sys, "argv", ["roll-train", "-m", *args])
+    try:
+        cli.train_main()
+    except SystemExit as exc:
+        assert not exc.code
+    assert ran == [2, 4]
+    captured = capsys.readouterr()
+    said = captured.out + captured.err
+    assert said.count("infer_engine.temperature=0.01 with algo.adv_estimator=") == 2, said[-3000:]

@@ -316,7 +316,8 @@ def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:
         ConfigError: the tokenizer cannot be loaded (model.tokenizer names no tokenizer), or a model.stop_tokens
             entry is not one of its tokens (a preset of another model family: model=qwen2_5 on a llama checkpoint).
             Both were tracebacks from transformers or the sampling setup after the engine had started. Or a
-            model.chat_template_kwargs key the chat template does not read (roll_core.pipelines.template_kwargs).
+            model.chat_template_kwargs key that is a likely misspelling of a variable the chat template reads
+            (roll_core.pipelines.template_kwargs; a key it merely does not read is a warning).
     """
     from transformers import AutoTokenizer
 
@@ -331,7 +332,7 @@ def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:
         ) from exc
     from roll_core.pipelines.template_kwargs import check_template_kwargs
 
-    check_template_kwargs(tokenizer, cfg.model.chat_template_kwargs, model_path=path)  # a misspelt key is ignored
+    check_template_kwargs(tokenizer, cfg.model.chat_template_kwargs, model_path=path)  # a misspelt key was ignored
     try:
         return tokenizer, sampling_params(cfg, tokenizer)
     except ValueError as exc:  # a stop token the tokenizer does not have

@@ -13,13 +13,17 @@ Contract:
   resources) that no node of a Ray instance started by the sweep can hold: Ray keeps such a task pending forever
   (it only logs "infeasible"), so the sweep hung with no error. On a joined cluster (`init.address`), which an
   autoscaler may grow, it is a warning.
+- `check_basic_batch` checks quietly (`quiet=True`): the config checks' warnings (a near-greedy group temperature)
+  are not logged by the batch check, because each job of the basic launcher runs next in this process and logs them
+  when its own config is checked; they came twice per job. Refusals are unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -29,11 +33,13 @@ from roll_core.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def check_job_configs(cfgs: Sequence[DictConfig], job_overrides: Sequence[Sequence[str]]) -> None:
+def check_job_configs(
+    cfgs: Sequence[DictConfig], job_overrides: Sequence[Sequence[str]], *, quiet: bool = False
+) -> None:
     """Refuse the batch when one job's task config (`cfgs`: the configs the launcher composed, with their `hydra`
     node; `job_overrides`: their overrides, for the message) fails roll's config check (`to_object`: unknown keys,
     the schemas' checks), before any job starts. The job's `${hydra:...}` interpolations resolve against its own
-    Hydra config, as in the job."""
+    Hydra config, as in the job. `quiet`: the checks' warnings are not logged (the job logs them when it runs)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf.errors import InterpolationResolutionError
 
@@ -51,7 +57,8 @@ def check_job_configs(cfgs: Sequence[DictConfig], job_overrides: Sequence[Sequen
             except AssertionError:  # no Hydra-made `hydra` node: a `${hydra:...}` cannot resolve (warned below)
                 hydra_config.cfg = None
             try:
-                to_object(task)
+                with _no_warnings() if quiet else contextlib.nullcontext():
+                    to_object(task)
             except ConfigError as exc:
                 cause = exc.__cause__
                 if isinstance(cause, InterpolationResolutionError):  # the driver is not the job's machine
@@ -82,7 +89,18 @@ def check_basic_batch(launcher: Any, job_overrides: Sequence[Sequence[str]], ini
             cfg.hydra.job.id = idx
             cfg.hydra.job.num = idx
         cfgs.append(cfg)
-    check_job_configs(cfgs, job_overrides)
+    check_job_configs(cfgs, job_overrides, quiet=True)  # each job, run next in this process, logs its own warnings
+
+
+@contextlib.contextmanager
+def _no_warnings() -> Iterator[None]:
+    """Drop log records up to WARNING while the block runs (errors still log); the earlier threshold after it."""
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(before)
 
 
 def task_resources(remote: Any) -> dict[str, float]:

@@ -1,9 +1,17 @@
 """Check `model.chat_template_kwargs` against the chat template that will render the prompts.
 
-Contract: `check_template_kwargs(tokenizer, kwargs, model_path=...)` raises a ConfigError naming
-`model.chat_template_kwargs.<key>` for every key no chat template of the model reads, with a did-you-mean and the
-variables the template does read; keys a template reads pass. Why: Jinja renders an unknown name as undefined, so a
-misspelt switch (`enable_thinkng=false`) composed, rendered and left thinking on with no word said.
+Contract: `check_template_kwargs(tokenizer, kwargs, model_path=...)` looks at every key that no chat template of the
+model reads (Jinja renders an unknown name as undefined, so such a key has no effect on any prompt):
+- a likely misspelling of a variable some template reads (difflib ratio >= TYPO_CUTOFF: `enable_thinkng`,
+  `enable-thinking`, `max_picture`) is a ConfigError naming `model.chat_template_kwargs.<key>`, the variable it was
+  likely meant to be and the variables the templates read. Why: a misspelt switch (`enable_thinkng=false`) composed,
+  rendered and left Qwen3's thinking on with no word said;
+- any other key is one WARNING line naming it (returned too): a legitimate switch of other templates that this one
+  simply lacks. The qwen3 / qwen3_moe presets always set `enable_thinking: true`, and the Qwen3 checkpoints whose
+  template has no switch (Qwen3-*-Thinking-2507 / Instruct-2507, Qwen3-VL) trained normally with it; refusing it
+  refused a key the user never wrote. The cutoff sits above different switch names of the same meaning
+  (`thinking` 0.70, `clear_thinking` 0.76, `keep_thinking` 0.79 against `enable_thinking`), which warn.
+Keys a template reads pass silently.
 
 The templates checked are the tokenizer's (a string, a dict of named templates, or the older list of
 `{"name", "template"}` entries: a key read by any of them passes) and, for a vision-language folder, the processor's
@@ -18,11 +26,18 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from roll_core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# difflib ratio from which a key no template reads is taken for a misspelling of a variable one reads (refused):
+# one or two slipped characters of a switch name score 0.85-0.97, a different name of a similar switch below 0.8.
+TYPO_CUTOFF = 0.8
 
 
 def template_sources(tokenizer: Any, model_path: str | None = None) -> list[str]:
@@ -62,34 +77,56 @@ def check_template_kwargs(
     *,
     model_path: str | None = None,
     where: str = "model.chat_template_kwargs",
-) -> None:
-    """ConfigError for each key of `kwargs` that no chat template of the model (see template_sources) reads,
-    naming `<where>.<key>`, the closest variable it may have meant and the variables the templates read."""
+) -> list[str]:
+    """Check each key of `kwargs` against the variables the chat templates of the model read (template_sources).
+
+    Returns the keys no template reads that were only warned about (one WARNING line each: they have no effect).
+
+    Raises:
+        ConfigError: a key no template reads is a likely misspelling of one they read (difflib ratio >=
+            TYPO_CUTOFF); it names `<where>.<key>`, the variable it was likely meant to be and those the templates
+            read.
+    """
     if not kwargs:
-        return
+        return []
     sources = template_sources(tokenizer, model_path)
     if not sources:
-        return  # no chat template at all: nothing to check the keys against
+        return []  # no chat template at all: nothing to check the keys against
     read: set[str] = set()
     for source in sources:
         names = template_variables(source)
         if names is None:  # unparsable: rendering says why; no false alarm from here
-            return
+            return []
         read |= names
-    unknown = [str(k) for k in kwargs if str(k) not in read]
-    if not unknown:
-        return
     known = sorted(read)
-    lines = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, known, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        lines.append(f"{where}.{key}: the model's chat template reads no variable {key!r}{hint}")
-    lines.append(
-        f"the chat template reads: {', '.join(known) or 'no variables'} "
-        "(an unknown name renders as undefined: the setting would be silently ignored)"
-    )
-    raise ConfigError("\n".join(lines))
+    reads = ", ".join(known) or "no variables"
+    typos: list[str] = []
+    unused: list[str] = []
+    for key in (str(k) for k in kwargs):
+        if key in read:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=TYPO_CUTOFF)
+        if close:
+            hint = f"(did you mean {close[0]}?)"
+            typos.append(f"{where}.{key}: the model's chat template reads no variable {key!r} {hint}")
+        else:
+            unused.append(key)
+    if typos:
+        typos.append(
+            f"the chat template reads: {reads} (an unknown name renders as undefined: the setting would be "
+            "silently ignored)"
+        )
+        raise ConfigError("\n".join(typos))
+    for key in unused:
+        log.warning(
+            "%s.%s: no chat template of this model reads %r, so it has no effect on the prompts (the template "
+            "reads: %s)",
+            where,
+            key,
+            key,
+            reads,
+        )
+    return unused
 
 
 def _processor_template(folder: Path) -> str | None:
