@@ -181,6 +181,8 @@ def test_column_routing_keeps_sub_tasks_apart_when_their_ids_coincide(tmp_path: 
         ({"counts": {"add": 1, "mul": 1}, "weights": {"add": 1.0}}, "not both"),
         ({"weights": {"nope": 1.0}}, "names \\['nope'\\]"),
         ({"weights": {"add": 0.0, "mul": 0.0}}, "not all 0"),
+        ({"weights": {"add": "x", "mul": 1.0}}, "env.weights gives {'add': 'x'}: each weight is a number"),
+        ({"weights": {"add": True}}, "env.weights gives {'add': True}"),
         ({"advantage_scale": {"add": -1.0}}, "must be a finite number >= 0"),
         ({"route": "tag"}, "env.route='tag'"),
     ],

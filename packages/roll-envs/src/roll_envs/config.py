@@ -325,6 +325,11 @@ class FileEnvConfig:
     answer_key: str = "answer"
     # Column of each row's pictures (paths relative to the file, bytes, {bytes, path} dicts; `image` also read).
     images_key: str = "images"
+    # Split of a datasets folder `path` to train on; null: its only split, or `train` (several splits and none
+    # `train`: an error naming them).
+    split: str | None = None
+    # Split of a datasets folder `eval_path` to hold out; null: its only split, or the one beside `train`.
+    eval_split: str | None = None
     eval_fraction: float = 0.1
     eval_size: int = 100
     system_prompt: str | None = None
@@ -334,6 +339,12 @@ class FileEnvConfig:
     def __post_init__(self) -> None:
         _check_split(self)
         self.reward = reward_node(self.reward, MathRewardConfig)
+        for key in ("split", "eval_split"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"env.{key}={value!r} must name a split of the datasets folder (or be null)")
+        if self.eval_split is not None and self.eval_path is None:
+            raise ValueError(f"env.eval_split={self.eval_split!r} names a split of env.eval_path, which is not set")
 
     def check_installed(self) -> None:
         _check_data_file(self.path)

@@ -11,8 +11,9 @@ which the loop puts in the metrics and the run summary), and a summary is logged
 crash halfway through a file. A file that is missing, unreadable as a whole (a JSON array over several lines nested
 past the recursion limit), of an unknown kind, or left empty after skipping is a `ConfigError` naming the setting
 (env.path / env.eval_path), so roll-train ends with one message and exit status 2, not a traceback. A `datasets`
-folder holding several splits is read from its `train` split (none: the first saved), with a warning naming the
-others (a test split there is not a held-out set: give it its own folder as env.eval_path). The held-out
+folder holding several splits is read from the split env.split (env.eval_split) names, else its `train` split,
+with a warning naming the others (as env.eval_path: its one split beside `train`); no `train` split and none named
+is a ConfigError naming the splits (roll_envs.tasks._datasets_folder; it trained on the first saved). The held-out
 split is `eval_path` when given, else a stable-hash fraction of the rows; training rows that are a held-out row's
 problem but for whitespace in the prompt ("Q?" and "Q?\n") are left out of training, counted in `also_held_out` and
 logged (base.held_out_split).
@@ -59,6 +60,8 @@ from roll_core.errors import ConfigError
 from roll_core.int_columns import float_columns as _float_columns
 from roll_core.int_columns import restore_int_columns
 from roll_envs.rewards.base import Reward
+from roll_envs.tasks._datasets_folder import encoded_rows as _encoded_rows
+from roll_envs.tasks._datasets_folder import load_folder
 from roll_envs.tasks._repeated_keys import RepeatedKeys, repeated_key, repeated_reason
 from roll_envs.tasks.base import Problem, Task, eval_file_name, templated_marker
 
@@ -66,34 +69,25 @@ log = logging.getLogger(__name__)
 
 
 def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
-    """(row number, row) pairs and (row number, reason) for rows that could not even be read."""
+    """(row number, row) pairs and (row number, reason) for rows that could not even be read (a datasets folder's
+    split as training data without a setting naming it: roll_envs.tasks._splits)."""
+    rows, bad, _ = _read_rows(path)
+    return rows, bad
+
+
+def _read_rows(
+    path: Path, split: str | None = None, key: str | None = None, *, held: bool = False
+) -> tuple[list[tuple[int, Any]], list[tuple[int, str]], str]:
+    """_rows, and the label of the split in row ids ('' but for a datasets folder's non-`train` split of several);
+    `split` (set by the config key `key`) names a datasets folder's split, `held` marks held-out data."""
     bad: list[tuple[int, str]] = []
+    if split is not None and not path.is_dir():  # (a file has no splits: the setting would be ignored unsaid)
+        raise ConfigError(f"{key}={split!r} names a split of a datasets folder, but {path} is a file: drop {key}")
     if path.is_dir():
-        from roll_envs.config import DATASETS
-
-        DATASETS.require()
-        import datasets
-
-        try:
-            ds = datasets.load_from_disk(str(path))
-        except Exception as exc:  # a folder that is not a saved dataset: its message does not name the setting
-            raise ConfigError(
-                f"{path}: cannot read it as a datasets folder ({exc}); check the folder or env.path"
-            ) from exc
-        if isinstance(ds, datasets.DatasetDict):
-            split = "train" if "train" in ds else next(iter(ds))
-            if len(ds) > 1:  # the other splits are never read: say so (a test split is not a held-out set here)
-                log.warning(
-                    "%s holds the splits %s: reading %r only (save a split to its own folder to give it as "
-                    "env.eval_path)",
-                    path,
-                    sorted(ds),
-                    split,
-                )
-            ds = ds[split]
+        ds, label = load_folder(path, split, key, held=held)
         narrow = _narrow_columns(ds.data.schema)  # (datasets' rows have the Arrow table's nesting)
         rows = [(i + 1, _widened(row, narrow)) for i, row in enumerate(_encoded_rows(ds))]
-        return restore_int_columns(rows, _float_columns(ds.data.schema)), bad
+        return restore_int_columns(rows, _float_columns(ds.data.schema)), bad, label
     if path.suffix == ".parquet":
         from roll_envs.config import PYARROW
 
@@ -106,7 +100,7 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
             raise ConfigError(f"{path}: cannot read it as Parquet ({exc}); check the file or env.path") from exc
         narrow = _narrow_columns(table.schema)
         rows = [(i + 1, _widened(row, narrow)) for i, row in enumerate(table.to_pylist())]
-        return restore_int_columns(rows, _float_columns(table.schema)), bad
+        return restore_int_columns(rows, _float_columns(table.schema)), bad, ""
     if path.suffix in (".jsonl", ".json"):
         # (A .jsonl file too: an array saved under that name lost every row but the last, like a .json file did.)
         keys = RepeatedKeys()  # (rows naming a key twice with different values: skipped, not last-one-wins)
@@ -116,7 +110,7 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
                 named = [(n, repeated_key(row)) for n, row in array]
                 bad += [(n, repeated_reason(k)) for n, k in named if k is not None]
                 array = [r for r, (_, k) in zip(array, named, strict=True) if k is None]
-            return restore_int_columns(array), bad
+            return restore_int_columns(array), bad, ""
         keys.found.clear()  # (what a failed read as one array saw: the lines are decoded again)
         decoder = json.JSONDecoder(object_pairs_hook=keys)  # (one decoder: json.loads(line, hook) builds one a line)
         rows = []
@@ -144,7 +138,7 @@ def _rows(path: Path) -> tuple[list[tuple[int, Any]], list[tuple[int, str]]]:
                     bad.append((lineno, f"invalid JSON ({exc.msg})"))
                 except RecursionError:  # (a bare RecursionError ended the whole load, naming no line)
                     bad.append((lineno, _TOO_DEEP))
-        return restore_int_columns(rows), bad
+        return restore_int_columns(rows), bad, ""
     raise ConfigError(
         f"unsupported data file {path} (env.path / env.eval_path): use .jsonl, .parquet or a datasets folder"
     )
@@ -214,19 +208,6 @@ def _widened(row: dict[str, Any], narrow: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _encoded_rows(ds: Any) -> Any:
-    """The rows of a `datasets` dataset, pictures (Image features) left encoded as `{"bytes", "path"}` dicts, as
-    Parquet rows hold them: they are decoded one prompt at a time when prompts are built. Iterating the dataset
-    itself decodes every picture at load and keeps them all (a few hundred thousand photos: hundreds of gigabytes
-    of pixels, and minutes of decoding before the first step). Rows are read as Arrow (what a decodable feature
-    stores), in the dataset's order."""
-    from datasets.features.features import require_decoding
-
-    if not ds.features or not require_decoding(ds.features):
-        return ds
-    return (row for table in ds.with_format("arrow").iter(batch_size=1000) for row in table.to_pylist())
-
-
 #: Why a JSON row (or file) nested deeper than Python's recursion limit is not read.
 _TOO_DEEP = "invalid JSON (nested too deeply: past Python's recursion limit)"
 
@@ -287,20 +268,32 @@ def load_problems(
     name: str = "data",
     domain: str = "math",
     images_key: str = "images",
+    split: str | None = None,
 ) -> tuple[list[Problem], list[tuple[int, str]]]:
-    """Read problems from a file; returns (problems, skipped) with skipped = [(row number, reason)]."""
-    problems, skipped, _ = _load(path, prompt_key, answer_key, name, domain, images_key)
+    """Read problems from a file; returns (problems, skipped) with skipped = [(row number, reason)]. `split`
+    names the split of a datasets folder (roll_envs.tasks._splits)."""
+    problems, skipped, _ = _load(path, prompt_key, answer_key, name, domain, images_key, split=split, key="split")
     return problems, skipped
 
 
 def _load(
-    path: str | Path, prompt_key: str, answer_key: str, name: str, domain: str, images_key: str
+    path: str | Path,
+    prompt_key: str,
+    answer_key: str,
+    name: str,
+    domain: str,
+    images_key: str,
+    *,
+    split: str | None = None,
+    key: str | None = None,
+    held: bool = False,
 ) -> tuple[list[Problem], list[tuple[int, str]], frozenset[str]]:
-    """load_problems, plus the ids of the problems whose row names no domain (they have `domain`)."""
+    """load_problems, plus the ids of the problems whose row names no domain (they have `domain`); `split`, `key`
+    and `held` choose a datasets folder's split (roll_envs.tasks._splits)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"data file {path} does not exist")
-    rows, skipped = _rows(path)
+    rows, skipped, label = _read_rows(path, split, key, held=held)
     problems = []
     defaulted: set[str] = set()
     seen_keys: set[str] = set()  # keys of the bad object rows, to name the columns a wrong prompt_key missed
@@ -330,7 +323,7 @@ def _load(
             skipped.append((lineno, why))
             seen_keys.update(row)
             continue
-        ident = f"{name}:{path.name}:{lineno}"
+        ident = f"{name}:{path.name}{label}:{lineno}"
         if own_domain is None:
             defaulted.add(ident)
         problems.append(
@@ -544,6 +537,8 @@ class FileTask(Task):
         eval_size: int = 100,
         system_prompt: str | None = None,
         images_key: str = "images",
+        split: str | None = None,
+        eval_split: str | None = None,
     ) -> None:
         super().__init__(reward)
         self.name, self.system_prompt = name, system_prompt
@@ -551,11 +546,20 @@ class FileTask(Task):
             if value and not Path(value).exists():  # name the setting: the loader only knows the file
                 raise ConfigError(f"data file {value} does not exist: check {key}")
         keys = dict(prompt_key=prompt_key, answer_key=answer_key, domain="math", images_key=images_key)
-        problems, skipped, defaulted = _load(path, name=name, **keys)
+        if eval_split is not None and not eval_path:  # (it would be ignored unsaid)
+            raise ConfigError(f"env.eval_split={eval_split!r} names a split of env.eval_path, which is not set")
+        problems, skipped, defaulted = _load(path, name=name, split=split, key="env.split", **keys)
         self.skipped = [(str(path), n, why) for n, why in skipped]
         held = None
         if eval_path:
-            held, eval_skipped, eval_defaulted = _load(eval_path, name=eval_file_name(name, path, eval_path), **keys)
+            held, eval_skipped, eval_defaulted = _load(
+                eval_path,
+                name=eval_file_name(name, path, eval_path),
+                split=eval_split,
+                key="env.eval_split",
+                held=True,
+                **keys,
+            )
             self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
             defaulted |= eval_defaulted
         # Rows that name no domain (they have "math"): env=multi with route=column gives them the sub-task's own

@@ -318,6 +318,11 @@ def _mixture(
             raise ConfigError(f"env.counts={dict(counts)} must be >= 0 with at least one prompt per batch")
         return {}, {d: int(counts[d]) for d in domains}
     _check_known("weights", weights, domains)
+    # A number each (a text "x" ended in a bare ValueError naming no domain, True counted as 1; the YAML path
+    # refuses them already).
+    odd = {d: v for d, v in weights.items() if isinstance(v, bool) or not isinstance(v, numbers.Real)}
+    if odd:
+        raise ConfigError(f"env.weights gives {odd}: each weight is a number (a domain's random share)")
     w = {d: float(weights.get(d, 1.0)) for d in domains}  # a domain not named weighs 1 (0 leaves it out)
     if any(not math.isfinite(v) or v < 0 for v in w.values()) or sum(w.values()) <= 0:
         raise ConfigError(f"env.weights={dict(weights)} must be finite, >= 0 and not all 0")
