@@ -15,6 +15,17 @@ transformers forward of the row alone gives: with the model's own pad token, tra
 that is not it); without one (the tokenizer's pad fills the rows), the row's last token, even when it is the
 tokenizer's pad (an EOS).
 
+The response is the policy's text, scored as it was written: its reasoning included (a thinking policy's
+`...</think>` block stays in the assistant turn, for the reward model's chat template to render or drop as it
+does; a generation header that opened the block leaves no `<think>` in the text). A special token of the reward
+tokenizer spelt in it (`<|im_end|>\n<|im_start|>user\n...`) is encoded as text (`response_specials`, the LLM
+judge's roll_core.agentic.turn_text.SpecialText): decoding dropped the policy's own special tokens, so such a
+spelling is text it wrote, and given the special id it ended the assistant turn and forged the turns the reward
+model scores. The prompt and its conversation are the data's, rendered as the policy's prompt was.
+
+A checkpoint missing weights that transformers would initialise at random (a classifier's head) is a
+ConfigError when the worker loads it, and logits not of one label per row fail the scoring call.
+
 Sleep: with `offload` the weights live in host memory and move to the device only for a scoring call, the way an
 inference engine's `sleep(1)` frees the device for the trainer (roll_engines' hf engine); `sleep()`/`wake_up()`
 do the same on demand. Stateless between calls, so a restarted worker needs nothing restored (`restartable`).
@@ -26,11 +37,13 @@ change rows' order, and never raises for odd text (empty responses, characters o
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from roll_core.agentic.turn_text import SpecialText
 from roll_core.cluster.group import WorkerGroup
 from roll_core.cluster.worker import Dispatch, Worker, dispatch
 from roll_core.config.reward_model import CHAT_TEMPLATE
@@ -85,30 +98,93 @@ def format_row(
     prompt: str,
     response: str,
     messages: Sequence[Mapping[str, Any]] | None = None,
+    special: SpecialText | None = None,
 ) -> list[int]:
     """Token ids of one (prompt, response) row: the chat template over `messages` (the conversation the policy
     was prompted with; None: a user turn of `prompt`) and an assistant turn of `response` (`template="chat"`), or
     `template.format(prompt=..., conversation=conversation_text(messages, prompt), response=...)` tokenised with the
     tokenizer's specials; a text template that
     spells those leading specials itself (`<|begin_of_text|>{prompt}...`) keeps its own, as SFT's raw text does
-    (the tokenizer's second bos is an input the reward model never saw)."""
-    if template == CHAT_TEMPLATE:
-        convo = [dict(m) for m in messages] if messages else [{"role": "user", "content": prompt}]
-        convo.append({"role": "assistant", "content": response})
+    (the tokenizer's second bos is an input the reward model never saw). `special` (the reward tokenizer's
+    `response_specials`): the special tokens the response spells are encoded as text (see the module docstring);
+    a row whose response spells none gets the same ids as without it."""
+    marked = special.mark(response) if special is not None else response
+    if marked != response:
         try:
-            ids = tokenizer.apply_chat_template(convo, tokenize=True, return_dict=False)
-        except Exception:  # jinja's raise_exception: Gemma-style templates have no system role
-            if not convo or convo[0].get("role") != "system":
-                raise
-            ids = tokenizer.apply_chat_template(_system_folded(convo), tokenize=True, return_dict=False)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            return _format_marked(tokenizer, template, prompt, response, marked, messages, special)
+        except ValueError:  # a spelling the tokenizer gives a special id even character by character: dropped
+            assert special is not None
+            log.warning("reward model: a response spells a special token that cannot be encoded as text: removed")
+            response = _spelt(special).sub("", response)
+    if template == CHAT_TEMPLATE:
+        return _chat_ids(tokenizer, _chat(prompt, response, messages), tokenize=True)
     text = template.format(prompt=prompt, conversation=conversation_text(messages, prompt), response=response)
+    return _with_added_specials(tokenizer, text, list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+
+
+def response_specials(tokenizer: Any) -> SpecialText:
+    """What `format_row` marks in a response: the tokenizer's special tokens (not its plain added tokens: a
+    response's `</think>` or `<tool_call>` is the policy's own token, which decoding kept; its special tokens were
+    dropped by decoding, so a special token in the text was spelt)."""
+    return SpecialText(tokenizer, ())
+
+
+def _spelt(special: SpecialText) -> re.Pattern[str]:
+    return re.compile("|".join(map(re.escape, special.tokens)) or "(?!)")
+
+
+def _chat(prompt: str, response: str, messages: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    convo = [dict(m) for m in messages] if messages else [{"role": "user", "content": prompt}]
+    convo.append({"role": "assistant", "content": response})
+    return convo
+
+
+def _chat_ids(tokenizer: Any, convo: list[dict[str, Any]], *, tokenize: bool) -> Any:
+    """The chat template over `convo`: its ids (`tokenize`) or its text."""
+    try:
+        out = tokenizer.apply_chat_template(convo, tokenize=tokenize, return_dict=False)
+    except Exception:  # jinja's raise_exception: Gemma-style templates have no system role
+        if not convo or convo[0].get("role") != "system":
+            raise
+        out = tokenizer.apply_chat_template(_system_folded(convo), tokenize=tokenize, return_dict=False)
+    if not tokenize:
+        return out
+    return list(out["input_ids"] if isinstance(out, dict) else out)
+
+
+def _format_marked(
+    tokenizer: Any,
+    template: str,
+    prompt: str,
+    response: str,
+    marked: str,
+    messages: Sequence[Mapping[str, Any]] | None,
+    special: SpecialText,
+) -> list[int]:
+    """`format_row` of a response that spells special tokens (`marked`: SpecialText.mark of it): rendered with the
+    marked response, encoded with the spellings as text; ValueError where one cannot be."""
+    if template == CHAT_TEMPLATE:
+        return special.encode_after("", _chat_ids(tokenizer, _chat(prompt, marked, messages), tokenize=False))
+    conversation = conversation_text(messages, prompt)
+    own = special.encode_after("", template.format(prompt=prompt, conversation=conversation, response=marked))
+    text = template.format(prompt=prompt, conversation=conversation, response=response)
+    return _with_added_specials(tokenizer, text, own)
+
+
+def _with_added_specials(tokenizer: Any, text: str, own: list[int]) -> list[int]:
+    """`own` (the ids of `text` without the specials the tokenizer adds) with those the tokenizer adds around
+    `text` (its bos, eos, sep), less the leading ones the text spells itself."""
     with_specials = list(tokenizer(text)["input_ids"])
-    own = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    start = next((s for s in range(len(with_specials) - len(own) + 1) if with_specials[s : s + len(own)] == own), 0)
-    if own and 0 < start <= len(own) and own[:start] == with_specials[:start]:
-        return with_specials[start:]  # the text's own bos, then whatever the tokenizer adds after it (eos, sep)
-    return with_specials
+    plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    start = next(
+        (s for s in range(len(with_specials) - len(plain) + 1) if with_specials[s : s + len(plain)] == plain), None
+    )
+    if start is None:  # (a post-processor that changes the text's own ids: as the tokenizer gives them)
+        return with_specials if own == plain else own
+    head, tail = with_specials[:start], with_specials[start + len(plain) :]
+    if own and 0 < start <= len(own) and own[:start] == head:
+        head = []  # the text's own bos, then whatever the tokenizer adds after it (eos, sep)
+    return head + own + tail
 
 
 def conversation_text(messages: Sequence[Mapping[str, Any]] | None, prompt: str) -> str:
@@ -187,12 +263,23 @@ class RewardModelWorker(Worker):
         self.truncation_side, self.offload = truncation_side, offload
         self._warned = False  # the {prompt}-drops-the-system-prompt warning, given once
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust_remote_code)
-        model = AutoModelForSequenceClassification.from_pretrained(
+        self.special = response_specials(self.tokenizer)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
             path,
             dtype=getattr(torch, resolved["dtype"]),
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
+            output_loading_info=True,
         )
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            # transformers initialises them at random and only logs it: each worker would score with its own
+            # random head (a causal LM saved under a classifier's config, a base model before its head was trained).
+            raise ConfigError(
+                f"reward_model.path={path}: the checkpoint has no weights for {', '.join(missing[:4])}"
+                f"{' ...' if len(missing) > 4 else ''} (transformers would initialise them at random): not a trained "
+                "reward model"
+            )
         context = next(
             (int(v) for v in (getattr(model.config, k, None) for k in ("max_position_embeddings", "n_positions")) if v),
             None,
@@ -248,7 +335,12 @@ class RewardModelWorker(Worker):
                     len(convos),
                 )
         rows = [
-            truncate(format_row(self.tokenizer, self.template, p, r, m), self.max_length, self.truncation_side, bos)
+            truncate(
+                format_row(self.tokenizer, self.template, p, r, m, self.special),
+                self.max_length,
+                self.truncation_side,
+                bos,
+            )
             for p, r, m in zip(prompts, responses, convos)
         ]
         return [ids for ids, _ in rows], [cut for _, cut in rows]
@@ -273,6 +365,11 @@ class RewardModelWorker(Worker):
                 ids[j, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
                 mask[j, : len(rows[i])] = 1
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            if tuple(logits.shape) != (len(idx), 1):  # (remote code whose head is not one label per row)
+                raise ValueError(
+                    f"the reward model returned logits of shape {tuple(logits.shape)} for {len(idx)} rows, not "
+                    f"({len(idx)}, 1): a reward model has one label"
+                )
             out[torch.tensor(idx)] = logits[:, 0].float().cpu()
         return out
 
