@@ -34,8 +34,11 @@ class _RecordedBar(std_tqdm):
 def bars(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int | None]]:
     import tqdm.auto
 
+    from roll_core.pipelines import _console
+
     _RecordedBar.closed = []
     monkeypatch.setattr(tqdm.auto, "tqdm", _RecordedBar)
+    monkeypatch.setattr(_console, "_is_terminal", lambda stream: True)  # pytest's stderr is not one: no bar there
     return _RecordedBar.closed
 
 

@@ -434,11 +434,19 @@ class Tracker:
             raise error
 
 
+def _is_accuracy(key: str) -> bool:
+    """Whether `key` is an accuracy (a fraction of 0..1): `reward/accuracy`, `eval/<domain>/accuracy`,
+    `dpo/reward_accuracy`."""
+    return key.rsplit("/", 1)[-1].endswith("accuracy")
+
+
 def curve_figure(history: Sequence[dict[str, Any]], keys: Sequence[str]):  # -> matplotlib Figure | None
     """The figure of curves.png: one panel per key with a value in `history` (in `keys`' order), value against
-    step, `_PANELS_PER_ROW` panels a row, `_LOG_SCALE` keys on a log axis where every value is positive; None when
-    no key has a value. Needs matplotlib (the caller checks)."""
+    step (whole-number ticks), `_PANELS_PER_ROW` panels a row, `_LOG_SCALE` keys on a log axis where every value is
+    positive, an accuracy (a key whose last part ends in `accuracy`) on the axis 0..1 when every value is in it;
+    None when no key has a value. Needs matplotlib (the caller checks)."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, MaxNLocator
 
     present = [k for k in keys if any(h.get(k) is not None for h in history)]
     if not present:
@@ -450,9 +458,16 @@ def curve_figure(history: Sequence[dict[str, Any]], keys: Sequence[str]):  # -> 
         ax.set_visible(False)
     for ax, key in zip(axes.flat, present):
         pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3)
+        # unclipped: a point at accuracy 0 or 1 sits on the axis' edge and was drawn half
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, clip_on=False)
+        # steps are whole: a short run's axis was ticked 1.5, 2.5 (one step alone: its own tick, in an axis of +-0.05)
+        steps = sorted({p[0] for p in pts})
+        ax.xaxis.set_major_locator(FixedLocator(steps) if len(steps) == 1 else MaxNLocator(integer=True))
         if key in _LOG_SCALE and all(p[1] > 0 for p in pts):
             ax.set_yscale("log")
+        elif _is_accuracy(key) and all(0.0 <= p[1] <= 1.0 for p in pts):
+            # on its full range: a flat 0 spanned -0.04..0.04, a small change filled the panel like a large one
+            ax.set_ylim(0.0, 1.0)
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

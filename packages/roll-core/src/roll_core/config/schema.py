@@ -226,7 +226,8 @@ class PipelineConfig:
     # restarts the whole run from its latest checkpoint this many times (the steps since it are redone; counted in
     # faults/run_restarts). Without a checkpoint yet the fault ends the run (pipeline.save_every=N). 0: never.
     max_run_restarts: int = 2
-    # Show a progress bar.
+    # Show a progress bar on a terminal; elsewhere (a log file: nohup, Slurm, a Ray job), and when false, each step is
+    # one log line with the same fields instead.
     progress: bool = True
     # Metrics sinks besides metrics.jsonl, all written at once (`roll.trackers` entry points: tensorboard, wandb, jsonl,
     # plugins); [] or [jsonl]: only the run folder's files. Each one's options: the `tracking` node.

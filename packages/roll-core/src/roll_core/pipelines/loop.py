@@ -56,6 +56,9 @@ from roll_core.config.build import build
 from roll_core.config.resume import check_checkpoint, config_dict
 from roll_core.config.schema import RLVRConfig
 from roll_core.models import resolve_model_path
+from roll_core.pipelines._console import PROGRESS_FIELDS as PROGRESS_FIELDS  # re-exported: imported from here
+from roll_core.pipelines._console import StepReport, ending_line
+from roll_core.pipelines._console import progress_fields as progress_fields  # re-exported: imported from here
 from roll_core.pipelines._resume_schedule import log_schedule_rebase
 from roll_core.pipelines._run_endings import StopAborted, free_bytes, save_failure, signal_name
 from roll_core.pipelines._run_summary import end_status, restored_skips, run_summary
@@ -233,8 +236,9 @@ class Pipeline:
                 exhausted=getattr(self.collector, "exhausted", True),
                 max_steps=self.cfg.pipeline.max_steps,
             )
-            if summary.get("incomplete"):
-                log.warning("run %s", status)
+            # one line, worded by how the run ended (the whole summary: roll-train's JSON, the API's return value)
+            ended_early = summary.get("incomplete") or summary.get("stopped_by_signal")
+            log.log(logging.WARNING if ended_early else logging.INFO, "%s", ending_line(status, summary))
             summary["status"] = status
             self.report(status, summary["wall_seconds"])
         return summary
@@ -298,8 +302,6 @@ class Pipeline:
         """Steps `start_step`..`max_steps`, each logged and (when due) saved; returns early on a stop or when the
         collector has nothing left to do. True when every step is trained (a stop in the last step included)."""
         pipe = self.cfg.pipeline
-        from tqdm.auto import tqdm
-
         if self.start_step > pipe.max_steps:  # resumed at or past max_steps: the loop below has nothing to do
             log.warning(
                 "resumed after step %d, pipeline.max_steps=%d: no step left to train (raise pipeline.max_steps to "
@@ -315,10 +317,13 @@ class Pipeline:
             return True
         # A collector with a finite job (rollout-only) knows how many steps it needs.
         total = min(pipe.max_steps, getattr(self.collector, "total_steps", None) or pipe.max_steps)
-        # Advanced by hand once a step is done: iterating the bar counts a step only when the next one starts, so a
-        # stopped (or finished rollout-only) run's bar ended one step short.
-        bar = tqdm(
-            total=total, desc=self.cfg.experiment, unit="step", disable=not pipe.progress, initial=self.start_step - 1
+        # A bar on a terminal, else a log line per step; it starts with the step-0 (or resumed) held-out accuracy.
+        bar = StepReport(
+            total=total,
+            initial=self.start_step - 1,
+            desc=self.cfg.experiment,
+            progress=pipe.progress,
+            history=self.tracker.history,
         )
         last = self.start_step - 1
         try:
@@ -329,7 +334,7 @@ class Pipeline:
             bar.close()
         return last == pipe.max_steps or bool(getattr(self.collector, "exhausted", False))
 
-    def _one_step(self, step: int, stop: GracefulStop, bar: Any) -> bool:
+    def _one_step(self, step: int, stop: GracefulStop, bar: StepReport) -> bool:
         """Step `step` of the loop: train, evaluate when due, log, save when due; True when the run ends here."""
         pipe = self.cfg.pipeline
         out = self.step(step)
@@ -349,9 +354,7 @@ class Pipeline:
                     out["perf/time_sync"] = out.timers["sync"]
             out.update(self.collector.evaluate(step))
         self.tracker.log(step, out)
-        self._postfix = progress_fields(out, getattr(self, "_postfix", None))
-        bar.set_postfix(self._postfix, refresh=False)
-        bar.update(1)
+        bar.step(step, out)
         due = (pipe.save_every and step % pipe.save_every == 0) or step == pipe.max_steps
         saved = self.checkpoint(step) if due else None
         self.tracker.plot(self._plot_keys(), force=bool(due))
@@ -428,7 +431,6 @@ class Pipeline:
             late=late,
             collector_summary=self.collector.summary(),
         )
-        log.info("run finished: %s", summary)
         return summary
 
     def _check_finite(self, step: int, out: StepLog) -> None:
@@ -547,34 +549,6 @@ class Pipeline:
                 raise StopAborted(signum, self.ckpt.latest(), steps_over=True) from exc
             except Exception as exc:
                 log.error("shutdown: closing the %s failed (%s: %s); going on", what, type(exc).__name__, exc)
-
-
-#: Step metrics shown on the progress bar, in order, when the step has them (RL, SFT, DPO, distillation).
-PROGRESS_FIELDS = (
-    ("reward/mean", "reward", "{:.3f}"),
-    ("reward/accuracy", "acc", "{:.2f}"),
-    ("sft/loss", "loss", "{:.3f}"),
-    ("dpo/loss", "loss", "{:.3f}"),
-    ("dpo/reward_accuracy", "pref_acc", "{:.2f}"),
-    ("distill/kl", "kl", "{:.3f}"),
-    ("distill/reverse_kl", "rkl", "{:.3f}"),
-    ("rollout/rows", "rows", "{:.0f}"),
-    ("eval/accuracy", "eval_acc", "{:.2f}"),
-    ("perf/step_seconds", "sec", "{:.1f}"),
-)
-
-
-def progress_fields(out: dict[str, Any], previous: dict[str, str] | None = None) -> dict[str, str]:
-    """The progress bar's postfix: the PROGRESS_FIELDS the step logged. The held-out accuracy of the last evaluation
-    (in `previous`, the last postfix) stays on a step that did not evaluate: the run's headline number was shown
-    nowhere in the console until the summary (`acc` is the training batch's)."""
-    fields = {}
-    for key, short, fmt in PROGRESS_FIELDS:
-        if out.get(key) is not None:
-            fields[short] = fmt.format(out[key])
-        elif key == "eval/accuracy" and previous and short in previous:
-            fields[short] = previous[short]
-    return fields
 
 
 def _in_multirun() -> bool:
