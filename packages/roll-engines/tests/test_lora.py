@@ -191,7 +191,10 @@ def test_a_bf16_base_stays_bf16_and_the_adapters_train_in_fp32(path: str, kind: 
         lora.train_step(batch, PolicyObjective())
         moments = [t for s in lora.optimizer.state.values() for k, t in s.items() if k != "step"]
         assert moments and all(t.dtype == torch.float32 for t in moments)
-        reference = HFTrainEngine(path, role="reference", dtype="bfloat16").compute_logprobs(batch)["logprobs"]
+        # The base, held wholly in bf16 (no master copy), is a pure bf16 reference (a standalone reference of an
+        # fp32-master run keeps norms and embeddings in fp32 instead: roll_engines.train._precision).
+        pure = HFTrainEngine(path, role="reference", dtype="bfloat16", param_dtype="bfloat16")
+        reference = pure.compute_logprobs(batch)["logprobs"]
         torch.testing.assert_close(lora.compute_logprobs(batch, base=True)["logprobs"], reference)
         merged = dict(lora.iter_weights())
         assert all(w.dtype == torch.bfloat16 for w in merged.values())

@@ -116,16 +116,21 @@ def test_disable_dropout_reaches_every_kind_of_rate() -> None:
 def test_a_frozen_fp16_reference_builds_and_is_the_lora_base(tiny: str) -> None:
     """model.dtype=float16 (hf and fsdp2 take it, with a loss scaler) built the reference and teacher engines with
     the trainable engine's refusal of fp16 parameters: any fp16 run with a KL term or a teacher failed to start.
-    A frozen engine holds its weights in the compute dtype; the fp16 LoRA actor's base scores as it does."""
+    A frozen engine holds fp16 weights (its linear weights, beside fp32 masters: roll_engines.train._precision);
+    the fp16 LoRA actor's base, held wholly in fp16, scores as a pure fp16 reference does."""
     ref = HFTrainEngine(tiny, role="reference", dtype="float16")
-    assert ref.optimizer is None and all(p.dtype == torch.float16 for p in ref.model.parameters())
+    assert ref.optimizer is None and ref.model.lm_head.weight.dtype == torch.float16
     batch = toy_batch(tiny)
     mask = batch["response_mask"]
     got = ref.compute_logprobs(batch)["logprobs"]
     want = HFTrainEngine(tiny, role="reference").compute_logprobs(batch)["logprobs"]
     torch.testing.assert_close(got * mask, want * mask, atol=2e-3, rtol=0)
+    pure = HFTrainEngine(tiny, role="reference", dtype="float16", param_dtype="float16")
+    assert all(p.dtype == torch.float16 for p in pure.model.parameters())
     lora = HFTrainEngine(tiny, dtype="float16", lr=1e-2, micro_batch_size=6, **LORA)
-    torch.testing.assert_close(lora.compute_logprobs(batch, base=True)["logprobs"], got, atol=0, rtol=0)
+    torch.testing.assert_close(
+        lora.compute_logprobs(batch, base=True)["logprobs"], pure.compute_logprobs(batch)["logprobs"], atol=0, rtol=0
+    )
     with pytest.raises(ValueError, match="param_dtype=float16 cannot train"):
         HFTrainEngine(tiny, dtype="float16", param_dtype="float16")
 

@@ -107,7 +107,8 @@ def test_fsdp2_mixed_precision_policy_tracks_fp32(path: str, fp32_run, monkeypat
 
 
 def test_reference_holds_only_the_compute_dtype(path: str) -> None:
-    ref = HFTrainEngine(path, role="reference", dtype="bfloat16")
+    # (pure bf16; with fp32 masters the reference mirrors autocast: tests/test_reference_precision.py)
+    ref = HFTrainEngine(path, role="reference", dtype="bfloat16", param_dtype="bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in ref.model.parameters()) and ref.optimizer is None
 
 

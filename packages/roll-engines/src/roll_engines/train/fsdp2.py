@@ -36,7 +36,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -75,6 +75,10 @@ def _init_process_group(backend: str | None = None) -> bool:
 
 class FSDP2TrainEngine(HFTrainEngine):
     """FSDP2-sharded variant of `HFTrainEngine` (same constructor plus `reshard_after_forward`)."""
+
+    #: The mixed-precision policy casts every parameter for the forward, the actor's and a reference's alike: a frozen
+    #: model is held wholly in the compute dtype (roll_engines.train._precision).
+    autocasts: ClassVar[bool] = False
 
     def __init__(
         self, model_path: str, *, reshard_after_forward: bool = True, dist_backend: str | None = None, **kwargs: Any

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from roll_core.interfaces import LossFn
 from roll_core.interfaces.inference import STRUCTURED_KEY
-from roll_core.models import prepare_engine_process, resolve_model_path, torch_dtype
+from roll_core.models import prepare_engine_process, resolve_model_path
 from roll_engines._onednn_linear import use_onednn_linears
 from roll_engines.train import _vision as V  # vision-language models: pictures travel with their rows
 from roll_engines.train._agree import agreed
@@ -78,6 +78,7 @@ from roll_engines.train._micro import (
 from roll_engines.train._micro import padding_row as _padding_row
 from roll_engines.train._optim import adamw_kernel, lr_lambda, optimizer_state_mb, param_groups
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
+from roll_engines.train._precision import engine_dtypes, hold_as_autocast_casts
 from roll_engines.train._routing import RoutingReplay
 from roll_hw.cpu import fp32_linear_library
 
@@ -96,6 +97,8 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
     vision_models: ClassVar[bool] = True
     #: With LoRA, `iter_adapter` exports the adapter alone (infer_engine.lora_sync=adapter).
     adapter_sync: ClassVar[bool] = True
+    #: Mixed precision by autocast (fsdp2: its policy casts every parameter): a frozen model mirrors it (_load).
+    autocasts: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -148,18 +151,9 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         self._tokenizer: Any = None  # loaded on the first constrained batch (structured outputs)
         # Rows whose response holds a token their constraint never allowed (masking stopped there).
         self.structured_rejected_rows = 0
-        # Mixed precision: `dtype` (the run's model.dtype) is the compute dtype; trainable engines keep their
-        # parameters (and so AdamW's state) in `param_dtype`, fp32 by default: at lr 1e-6 most bf16 updates
-        # would round to nothing. A frozen reference needs no master copy and is held in the compute dtype.
-        self.compute_dtype = torch_dtype(dtype)
-        self.dtype = torch_dtype(param_dtype) if self.trainable else self.compute_dtype
-        if self.dtype == torch.float16 and self.trainable:  # (a frozen reference or teacher may hold fp16 weights)
-            raise ValueError("param_dtype=float16 cannot train (updates underflow): keep float32 master weights")
-        if self.dtype.itemsize < self.compute_dtype.itemsize:  # dtype=auto may resolve to fp32 here
-            raise ValueError(
-                f"param_dtype={param_dtype} is narrower than the compute dtype ({dtype} -> {self.compute_dtype}): "
-                "autocast cannot widen, so everything would run in the narrower one; use float32 master weights"
-            )
+        # Mixed precision (roll_engines.train._precision): `dtype` (model.dtype) is the compute dtype, trained
+        # parameters (and AdamW's state) stay in `param_dtype` (fp32); a frozen model computes as the actor would.
+        self.compute_dtype, self.dtype = engine_dtypes(dtype, param_dtype, self.trainable, self.autocasts)
         self.autocast = self.compute_dtype != self.dtype  # FSDP2 casts in its own mixed-precision policy
         # fp16 compute needs loss scaling (its gradients underflow); bf16 has fp32's exponent range.
         self.scaler = (
@@ -233,6 +227,8 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         # scoring passes computed in eval mode (a token-classification head brings dropout 0.1 by default; an
         # attention layer's rate is a plain float: roll_engines.train._dropout).
         disable_dropout(model)
+        if not self.trainable and self.autocast:  # a frozen model of fp32 masters: linear weights narrowed (__init__)
+            hold_as_autocast_casts(model, self.compute_dtype)
         return self._place(model)
 
     def _instantiate(self, model_class: Any, kwargs: dict[str, Any]) -> torch.nn.Module:
