@@ -104,12 +104,8 @@ def reference_log_softmax(model: Any, batch: dict[str, torch.Tensor], temperatur
     """Per row, log_softmax(logits / temperature) (n_i, V) at the positions predicting its n_i response tokens,
     from a forward of `model` (transformers) on the row's attended prompt and response tokens alone."""
     out = []
-    p = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-    for i in range(batch["input_ids"].shape[0]):
-        prompt = batch["input_ids"][i, :p][batch["attention_mask"][i, :p].bool()]
-        n = int(batch["response_mask"][i].sum())
-        ids = torch.cat([prompt, batch["responses"][i, :n]])[None]
-        logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n].float()
+    for ids, start, n in _rows_alone(batch):
+        logits = model(ids).logits[0, start : start + n].float()
         out.append(torch.log_softmax(logits / temperature, -1))
     return out
 
@@ -118,14 +114,19 @@ def reference_values(model: Any, batch: dict[str, torch.Tensor]) -> list[torch.T
     """Per row, the values (n_i,) of its n_i response tokens from `model` (a transformers one-label token
     classifier) run on the row's attended prompt and response tokens alone: token t's value is the score at the
     position before it (the state prompt + response[:t]; the first token's is the prompt's last position's)."""
-    out = []
+    return [model(ids).logits[0, start : start + n, 0].float() for ids, start, n in _rows_alone(batch)]
+
+
+def _rows_alone(batch: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
+    """Per row: its attended prompt and its n response tokens alone, (1, len) ids, the position predicting (or, for
+    values, the state before) the first response token, and n."""
+    rows = []
     p = batch["input_ids"].shape[1] - batch["responses"].shape[1]
     for i in range(batch["input_ids"].shape[0]):
         prompt = batch["input_ids"][i, :p][batch["attention_mask"][i, :p].bool()]
         n = int(batch["response_mask"][i].sum())
-        ids = torch.cat([prompt, batch["responses"][i, :n]])[None]
-        out.append(model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n, 0].float())
-    return out
+        rows.append((torch.cat([prompt, batch["responses"][i, :n]])[None], len(prompt) - 1, n))
+    return rows
 
 
 def build_conformance_engine(engine_class: type, model_path: str, **kwargs: Any) -> TrainEngine:
