@@ -161,3 +161,62 @@ def test_a_failed_lora_load_leaves_the_adapter_as_it_was(tiny: str, tmp_path: Pa
         _assert_same(_state(engine), before)
     engine.load(tmp_path / "saved")
     assert engine._step == 1
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in a nested state dict, in its order."""
+    if torch.is_tensor(tree):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    return [t for x in items for t in _tensors(x)]
+
+
+def _live(engine: Any) -> set[int]:
+    """The storages of the engine's torch optimizer states (Adam's moments and steps)."""
+    from roll_engines.train.megatron._checkpoint import parts
+
+    states = [st for o in parts(engine.optimizer) for st in o.optimizer.state.values()]
+    return {t.untyped_storage().data_ptr() for st in states for t in st.values() if torch.is_tensor(t)}
+
+
+def test_a_fresh_engine_reads_in_place_and_a_stepped_one_into_copies(
+    tiny: str, trained: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume's engine reads the checkpoint into the zeros primed for the read, as hf's does (a failed read drops
+    them: test_a_fresh_engine_stays_fresh_after_a_failed_load): a copy of every moment to read into raised a
+    resume's peak memory by the optimizer's state, so a resume that fit could run out. A stepped engine's are read
+    into copies (its own stay as they were until the load is written). The distributed optimizer reads into tensors
+    the template made either way (it gathers its shards)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from roll_engines.train.megatron._checkpoint import parts, read_optimizer
+
+    engine, saved, step = trained
+    distributed = any(type(o).__name__ == "DistributedOptimizer" for o in parts(engine.optimizer))
+    read_into: list[list[torch.Tensor]] = []  # the tensors each read's sharded state dict reads into
+    load = dist_checkpointing.load
+
+    def spy(state: Any, folder: str) -> Any:
+        sharded = (ShardedTensor, ShardedTensorFactory)
+        read_into.append([v.data for v in nested_values(state) if isinstance(v, sharded) and torch.is_tensor(v.data)])
+        return load(state, folder)
+
+    monkeypatch.setattr(dist_checkpointing, "load", spy)
+    fresh = _engine(tiny, distributed)
+    with fresh._shims():
+        in_place = _tensors(read_optimizer(saved / "optimizer", fresh.model, fresh.optimizer)["optimizer"])
+    targets = read_into.pop()
+    assert targets
+    read_live = sum(t.untyped_storage().data_ptr() in _live(fresh) for t in targets)
+    assert read_live == (0 if distributed else len(targets))  # plain: every moment read into the live zeros
+    step()
+    with engine._shims():
+        copies = _tensors(read_optimizer(saved / "optimizer", engine.model, engine.optimizer)["optimizer"])
+    assert not any(t.untyped_storage().data_ptr() in _live(engine) for t in read_into.pop())
+    assert len(copies) == len(in_place)  # the same checkpoint, read both ways
+    for i, (a, b) in enumerate(zip(in_place, copies)):
+        assert torch.equal(a, b), i
+    fresh.load(saved)  # and it loads as a whole
+    assert fresh._step == 1

@@ -20,7 +20,12 @@ from typing import Any
 from roll_core.cluster.worker import Dispatch, Worker, dispatch
 from roll_core.config.build import build
 from roll_core.devices import resolve_device
-from roll_core.interfaces.runtime import InferEngineRuntime, TrainEngineRuntime, check_engine_kwargs
+from roll_core.interfaces.runtime import (
+    InferEngineRuntime,
+    TrainEngineRuntime,
+    check_engine_kwargs,
+    supported_runtime,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +72,9 @@ def build_engine(worker: Worker, cfg: dict[str, Any], runtime: TrainEngineRuntim
         # master weights follow, as the compute dtype did (the engine refuses masters narrower than compute).
         log.warning("train_engine.param_dtype bfloat16 -> float32: the compute dtype resolved to float32 here")
         own["param_dtype"] = "float32"
-    check_engine_kwargs(get_object(own["_target_"]), {k: v for k, v in own.items() if k != "_target_"}, resolved)
+    target = get_object(own["_target_"])
+    resolved = supported_runtime(target, resolved)  # an optional key the engine does not take: logged, not passed
+    check_engine_kwargs(target, {k: v for k, v in own.items() if k != "_target_"}, resolved)
     engine = build(own, **resolved)
     worker.engine_dtype = str(getattr(engine, "dtype", None) or resolved.get("dtype") or "").removeprefix("torch.")
     current = threading.current_thread()

@@ -10,16 +10,22 @@ An engine is built as `Engine(**config_keys, **runtime)` (roll_core.cluster.engi
 Contract: an engine constructor accepts every key of its runtime type (it may ignore one it has no use for, e.g.
 `attn_implementation` in an engine with its own attention, but says so in a comment) and every field of its
 config schema, and names no catch-all `**kwargs`: a key it does not know is an error at build time
-(`check_engine_kwargs`), never silently dropped. The roles' runtime (build_roles) shares no key with the engine
-config; tools and tests may pass further constructor keys (`dist_backend`) or override a config key (on a clash
-the runtime wins, roll_core.config.build.build).
+(`check_engine_kwargs`), never silently dropped. The exception are the runtime keys added after plugin engines were
+written against the contract (`OPTIONAL_RUNTIME_KEYS`): an engine whose constructor does not take one is built
+without it (`supported_runtime`), and what it then cannot do is logged once; roll's own engines take them all.
+The roles' runtime (build_roles) shares no key with the engine config; tools and tests may pass further
+constructor keys (`dist_backend`) or override a config key (on a clash the runtime wins,
+roll_core.config.build.build).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypedDict
+
+log = logging.getLogger(__name__)
 
 
 class EngineRuntime(TypedDict):
@@ -92,6 +98,18 @@ def _keys(t: Any) -> frozenset[str]:
 TRAIN_RUNTIME_KEYS = _keys(TrainEngineRuntime)
 INFER_RUNTIME_KEYS = _keys(InferEngineRuntime)
 
+#: Runtime keys added after plugin engines were written against the runtime types, and what an engine that does not
+#: take one cannot do: it is built without the key (`supported_runtime`), not refused (it was a TypeError at build).
+OPTIONAL_RUNTIME_KEYS: dict[str, str] = {
+    "optimizer_steps_per_step": (
+        "cannot re-base its LR schedule on resume: a run resumed with another number of optimizer steps per "
+        "training step (algo.num_mini_batches, algo.mini_batch_size, algo.ppo_epochs) goes on from the checkpoint's "
+        "optimizer-step count, possibly at the schedule's end (LR 0); resume with the settings that saved it"
+    ),
+}
+
+_said: set[tuple[str, str]] = set()  # (engine, key) pairs already logged: once per process
+
 
 def accepted_keys(target: Callable[..., Any]) -> frozenset[str] | None:
     """The keyword arguments `target` takes, or None when it ends in a catch-all `**kwargs`.
@@ -111,6 +129,31 @@ def accepted_keys(target: Callable[..., Any]) -> frozenset[str] | None:
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             return frozenset(names)
     return None
+
+
+def supported_runtime(target: Callable[..., Any], runtime: Mapping[str, Any]) -> dict[str, Any]:
+    """`runtime` less the `OPTIONAL_RUNTIME_KEYS` that `target`'s constructor does not take, each logged (WARNING,
+    once per engine and key in this process) with what the engine then cannot do. A constructor with a catch-all
+    `**kwargs` gets `runtime` as it is (`check_engine_kwargs` refuses it); every other key stays (an unknown one is
+    `check_engine_kwargs`'s error).
+
+    Args:
+        target: the engine class (or factory).
+        runtime: the runtime keys meant for it.
+    """
+    accepted = accepted_keys(target)
+    if accepted is None:
+        return dict(runtime)
+    name = getattr(target, "__qualname__", repr(target))
+    kept = {}
+    for key, value in runtime.items():
+        if key in OPTIONAL_RUNTIME_KEYS and key not in accepted:
+            if (name, key) not in _said:
+                _said.add((name, key))
+                log.warning("%s takes no runtime key %r: it %s", name, key, OPTIONAL_RUNTIME_KEYS[key])
+            continue
+        kept[key] = value
+    return kept
 
 
 def check_engine_kwargs(target: Callable[..., Any], config: Mapping[str, Any], runtime: Mapping[str, Any]) -> None:

@@ -5,9 +5,12 @@ dist_checkpointing calls and the workarounds that let Megatron-Core 0.16's distr
 (`prime_optimizer_state`, `torch_adam_steps_restored`), and the size of an optimizer's state
 (`optimizer_state_bytes`). A save starts no process that outlives it (`in_process_write_results`), and returns once
 this rank's files are flushed to disk (roll_engines.train._hf_checkpoint.fsync_written: Megatron's forked writers
-fsync their shards, but not the folder entries, nor rank 0 its metadata files). A read writes none of the live
-state (`_staged`): a folder that fails to read leaves the optimizer as it was. Callers run these under the engine's
-CPU shims."""
+fsync their shards, but not the folder entries, nor rank 0 its metadata files). A read writes none of the state
+a step made (`_staged`): a folder that fails to read leaves the optimizer as it was. As hf's load
+(roll_engines.train._optim.load_optimizer), a fresh optimizer (a resume's) is read in place, into the zeros primed
+for the read and dropped again on failure, and only a stepped one's moments are read into copies: a copy of every
+moment would raise a resume's peak memory by the optimizer's state (8 B a parameter, Adam in fp32). Callers run
+these under the engine's CPU shims."""
 
 from __future__ import annotations
 
@@ -230,20 +233,21 @@ def read_optimizer(folder: Path, model: Any, optimizer: Any) -> dict[str, Any]:
     primed = prime_optimizer_state(optimizer)  # a fresh optimizer's template (zeros), dropped again on failure
     try:
         with quiet_dist_checkpointing():
-            return dist_checkpointing.load(
-                _staged(optimizer_state(model, optimizer, 0, loading=True), model, optimizer), str(folder)
-            )
+            template = optimizer_state(model, optimizer, 0, loading=True)
+            return dist_checkpointing.load(_staged(template, model, optimizer, primed), str(folder))
     except BaseException:  # (DCP's CheckpointException is no Exception)
         for inner, p in primed:
             inner.state.pop(p, None)
         raise
 
 
-def _staged(state: dict[str, Any], model: Any, optimizer: Any) -> dict[str, Any]:
+def _staged(state: dict[str, Any], model: Any, optimizer: Any, primed: list[tuple[Any, Any]]) -> dict[str, Any]:
     """`state` (a sharded state dict to load) with every tensor that is live state (the plain optimizer's template
     holds Adam's own moments; dist_checkpointing reads into the template's tensors in place: a read failing half-way
-    left some of them loaded) replaced by an uninitialised copy to read into. Tensors the template made for the
-    load (the distributed optimizer's gathered ones) stay as they are: no second copy."""
+    left some of them loaded) replaced by an uninitialised copy to read into. Not copied: the state `primed` for this
+    read (`prime_optimizer_state`'s pairs: a fresh optimizer's zeros, which `read_optimizer` drops again when the
+    read fails, leaving it fresh), and tensors the template made for the load (the distributed optimizer's gathered
+    ones): no second copy of either."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -252,6 +256,10 @@ def _staged(state: dict[str, Any], model: Any, optimizer: Any) -> dict[str, Any]
         live.update(p.untyped_storage().data_ptr() for g in opt.optimizer.param_groups for p in g["params"])
         for st in opt.optimizer.state.values():
             live.update(t.untyped_storage().data_ptr() for t in st.values() if torch.is_tensor(t))
+    # (each primed tensor has storage of its own, made by zeros_like: no parameter or stepped moment shares it)
+    live -= {
+        t.untyped_storage().data_ptr() for inner, p in primed for t in inner.state[p].values() if torch.is_tensor(t)
+    }
     for value in nested_values(state):
         if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and torch.is_tensor(value.data):
             if value.data.untyped_storage().data_ptr() in live:
