@@ -127,6 +127,8 @@ def test_grpo_against_a_trained_reward_model_raises_its_score(tmp_path: Path) ->
     # replace, normalize=none: the rows' scores are the reward model's logits as they are.
     for h in train:
         assert h["reward/mean"] == pytest.approx(h["reward_model/raw_mean"], abs=1e-4)
+    for h in (h for h in history if "eval/reward" in h):  # the evaluation logs the model's raw scores too
+        assert h["eval/reward"] == pytest.approx(h["eval/reward_model/raw_mean"], abs=1e-4)
     raw = [round(h["reward_model/raw_mean"], 2) for h in train]
     before, after = evals
     # A quarter of the way from digit-free responses to all-digit ones (measured: about +12 of a scale of 14).

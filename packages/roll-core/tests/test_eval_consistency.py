@@ -169,6 +169,7 @@ def _collector(problems: list[EchoProblem]) -> Any:
         sampling=SamplingParams(max_new_tokens=16, temperature=1.0),
         eval_temperature=1.0,
         scoring=_Scoring(tokenizer),
+        reward_model=None,  # reward_model=none (its eval metrics are added when there is one)
         _pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         _cut_ids=frozenset(),
     )

@@ -23,6 +23,11 @@ judge's roll_core.agentic.turn_text.SpecialText): decoding dropped the policy's 
 spelling is text it wrote, and given the special id it ended the assistant turn and forged the turns the reward
 model scores. The prompt and its conversation are the data's, rendered as the policy's prompt was.
 
+In bf16/fp16 the classifier's head (`score`, one output) runs in float32 (`fp32_score_head`): its weight upcast,
+its input hidden state upcast per call. A half-precision head rounded each logit to a bf16 step (1/64 at a score
+of 3): a row's score moved by a whole step with the batch it was padded in, and close responses of a GRPO group
+tied (no advantage between them).
+
 A checkpoint missing weights that transformers would initialise at random (a classifier's head) is a
 ConfigError when the worker loads it, and logits not of one label per row fail the scoring call.
 
@@ -234,6 +239,28 @@ def truncate(ids: list[int], max_length: int, side: str, bos: int | None = None)
     return ids[:max_length], True
 
 
+#: Attribute names of a sequence classifier's final linear head: transformers' decoder classifiers' (`score`:
+#: Llama, Qwen, Mistral, Gemma, GPT-2...) and encoders' (`classifier` where it is one linear layer: BERT's).
+HEAD_NAMES = ("score", "classifier")
+
+
+def fp32_score_head(model: torch.nn.Module) -> bool:
+    """Run `model`'s final linear head in float32 when it is in bf16/fp16 (see the module docstring): its
+    parameters upcast in place, a forward pre-hook upcasting its input; its logits come out float32. Returns
+    whether it did (False: the head is already float32, or not one linear layer under a HEAD_NAMES name)."""
+    head = next((h for h in (getattr(model, n, None) for n in HEAD_NAMES) if isinstance(h, torch.nn.Linear)), None)
+    if head is None or head.weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    head.float()
+    head.register_forward_pre_hook(_upcast_input)
+    return True
+
+
+def _upcast_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The head's positional inputs (the hidden states) in float32."""
+    return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
 class RewardModelWorker(Worker):
     """Hosts one copy of the reward model (see the module docstring)."""
 
@@ -302,6 +329,8 @@ class RewardModelWorker(Worker):
         if self.reads_last_token:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         self.pad_id = int(model.config.pad_token_id)
+        if not fp32_score_head(model) and model.dtype in (torch.bfloat16, torch.float16):
+            log.info("reward model: no linear head (%s) to run in float32: logits in %s", HEAD_NAMES, model.dtype)
         model.requires_grad_(False)
         self.model = model.eval()
         self._asleep = False

@@ -71,7 +71,8 @@ class RewardModelConfig:
     # when colocated on an accelerator.
     offload: bool | None = None
     # Normalisation of the model's scores: none | batch (z-score within each batch) | running (z-score by the
-    # running mean and std of every score seen so far; kept in checkpoints).
+    # running mean and std of every score seen so far; kept in checkpoints). Evaluation, with batch or running, is
+    # z-scored by the running statistics of the training scores (never by the eval batch's own).
     normalize: str = "none"
     # replace: the row's score is the (normalised) reward-model score | add: task score + weight x that score.
     mode: str = "replace"

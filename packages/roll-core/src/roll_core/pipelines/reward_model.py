@@ -14,13 +14,22 @@ call also returns its rows' task and raw model scores (`RM_ROW_TENSORS`) and the
 refill round of two groups was standardised against itself: the same raw score became +0.45 in one round and -1.0
 in the next).
 
+Evaluation (`apply(batch, scored, None)`, or `apply(..., out, update=False)`) normalises by the TRAINING
+statistics, never by the evaluated batch's own: with `running` and with `batch` alike, the running mean and
+variance of every score the model gave in training so far (with `batch` they are gathered too, for evaluation
+only; each training batch is still standardised by itself). Standardising the eval batch against itself made
+`eval/reward` exactly 0 (`mode=replace`) or the task reward plus 0 (`mode=add`) for a bad policy and a good one
+alike. Before any training batch (a step-0 evaluation) there are no statistics: the evaluated batch's own stand in.
+The reference moves as training goes on; `eval/reward_model/raw_mean` (the model's own scale) is the number to
+compare across evaluations.
+
 Metrics (into `out`): `reward_model/raw_mean`, `raw_std` (the model's logits), `score_mean`, `score_std` (after
-normalisation), `truncated` and `nonfinite` (rows), `running_mean` and `running_std` (mode running); the caller
-times the call. Evaluation calls `apply(batch, scored, None)`: the running statistics are used, not updated
-(`apply(..., out, update=False)` writes its metrics under `eval/reward_model/`). A non-finite model score (a
-half-precision overflow) is counted, left out of the statistics, and given the mean normalised score of the
-batch's other rows (no advantage either way); it never fails the step. `state_dict()` holds the running
-statistics (a resumed run continues them).
+normalisation), `truncated` and `nonfinite` (rows), `running_mean` and `running_std` (modes running and batch:
+the statistics evaluation normalises by); the caller times the call. An evaluation's are the same names under
+`eval/reward_model/`, into `out` when given, else kept for `take_eval_metrics()` (the collector adds them to its
+eval log). A non-finite model score (a half-precision overflow) is counted, left out of the statistics, and given
+the mean normalised score of the batch's other rows (no advantage either way); it never fails the step.
+`state_dict()` holds the running statistics (a resumed run continues them).
 """
 
 from __future__ import annotations
@@ -98,21 +107,36 @@ class RewardModelScoring:
         self.cfg, self.scorer = cfg, scorer
         self.stats = RunningStats()
         self.totals = {"rows": 0, "truncated": 0, "nonfinite": 0}
+        self._eval_metrics: dict[str, float] = {}
 
     def normalise(self, raw: torch.Tensor, *, update: bool) -> torch.Tensor:
-        """(B,) float32 normalised scores of the finite `raw` scores (B,), per `cfg.normalize`; `update` adds them
-        to the running statistics first (training), else they are only read (evaluation; before any training
-        batch the evaluated batch's own statistics stand in)."""
+        """(B,) float32 training scores of the finite `raw` scores (B,), per `cfg.normalize`: `batch` by `raw`'s own
+        statistics, `running` by the running ones; `update` (a training call) adds `raw` to the running statistics
+        first (with `batch` too: they are evaluation's reference). `renormalise` calls it with `update=False`."""
         mode, eps = self.cfg.normalize, self.cfg.eps
         if mode == "none" or raw.numel() == 0:
             return raw.float().clone()
-        if mode == "batch":
-            return zscore(raw, float(raw.double().mean()), float(raw.double().var(unbiased=False)), eps)
         if update:
             self.stats.update(raw)
-        if self.stats.count == 0:
+        if mode == "batch" or self.stats.count == 0:
             return zscore(raw, float(raw.double().mean()), float(raw.double().var(unbiased=False)), eps)
         return zscore(raw, self.stats.mean, self.stats.var, eps)
+
+    def normalise_eval(self, raw: torch.Tensor) -> torch.Tensor:
+        """(B,) float32 evaluation scores of the finite `raw` scores (B,): z-scored by the training statistics
+        (read, not updated; see the module docstring), by `raw`'s own before any training batch; `none`: as
+        they are."""
+        if self.cfg.normalize == "none" or raw.numel() == 0:
+            return raw.float().clone()
+        if self.stats.count == 0:
+            return zscore(raw, float(raw.double().mean()), float(raw.double().var(unbiased=False)), self.cfg.eps)
+        return zscore(raw, self.stats.mean, self.stats.var, self.cfg.eps)
+
+    def take_eval_metrics(self) -> dict[str, float]:
+        """The `eval/reward_model/...` metrics of the last evaluation call made without an `out`, then forgotten
+        (so that a later evaluation that scored nothing reports none rather than stale ones)."""
+        metrics, self._eval_metrics = self._eval_metrics, {}
+        return metrics
 
     def apply(
         self, batch: Batch, scored: Batch, out: MutableMapping[str, Any] | None, *, update: bool | None = None
@@ -120,8 +144,12 @@ class RewardModelScoring:
         """Score `batch["prompt_text"]` x `scored["response_text"]` and replace `scored["scores"]` (B,) in place by
         the mix of `cfg.mode`; metrics to `out` when given. `update` (default: whether `out` is given, so that
         evaluation's `apply(batch, scored, None)` leaves the running statistics alone) updates the running
-        statistics and the totals; metrics of a call that does not update go under `eval/reward_model/`."""
+        statistics and the totals; a call that does not update is an evaluation: normalised by the training
+        statistics (`normalise_eval`), its metrics under `eval/reward_model/`, kept for `take_eval_metrics` when
+        `out` is None."""
         update = out is not None if update is None else update
+        if out is None and not update:
+            out = self._eval_metrics = {}
         prefix = "reward_model/" if update else "eval/reward_model/"
         rows = Batch(fields={"prompt_text": batch["prompt_text"], "response_text": scored["response_text"]})
         if "prompt_messages" in batch:  # system prompt and earlier turns: the reward model sees the policy's prompt
@@ -130,7 +158,7 @@ class RewardModelScoring:
         raw, cut = res["rm_scores"].float(), res["rm_truncated"]
         finite = torch.isfinite(raw)
         norm = torch.zeros_like(raw)
-        norm[finite] = self.normalise(raw[finite], update=update)
+        norm[finite] = self.normalise(raw[finite], update=True) if update else self.normalise_eval(raw[finite])
         bad = int((~finite).sum())
         if bad:
             # Neutral: the mean of the batch's other rows, so the broken row gets no advantage either way.
@@ -153,7 +181,7 @@ class RewardModelScoring:
         # Counts add up over the calls of one step (dynamic sampling scores several rounds); means are the last's.
         out[prefix + "truncated"] = out.get(prefix + "truncated", 0.0) + float(cut.sum())
         out[prefix + "nonfinite"] = out.get(prefix + "nonfinite", 0.0) + float(bad)
-        if self.cfg.normalize == "running":
+        if self.cfg.normalize in ("running", "batch"):
             out[prefix + "running_mean"] = self.stats.mean
             out[prefix + "running_std"] = math.sqrt(self.stats.var)
 

@@ -176,6 +176,8 @@ class PromptCollector:
         standard error over the problems, None for fewer than two); `eval/n`: the problems scored
         (not those skipped for a prompt over model.max_prompt_length or one filling the engine's context)."""
         t0 = time.perf_counter()
+        if self.reward_model is not None:  # an earlier evaluation's (the distill teacher's) are not this one's
+            self.reward_model.take_eval_metrics()
         res = evaluate(
             # an engine's own abort is resumed, not scored 0; refused after pipeline.max_idle_aborts idle ones
             _Resuming(self.infer, self._pad_id, self._cut_ids, self.cfg.pipeline.max_idle_aborts),
@@ -191,6 +193,8 @@ class PromptCollector:
             ),
         )
         out = {**eval_log(res), "eval/seconds": time.perf_counter() - t0}
+        if self.reward_model is not None:  # eval/reward_model/raw_mean...: the model's scores on its own scale
+            out.update(self.reward_model.take_eval_metrics())
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -470,7 +474,8 @@ def without_images(rows: list[Any]) -> list[Any]:
 
 class _Scoring:
     """What evaluation scores with: the reward role, then the reward model when there is one (no step metrics, no
-    running-statistics update: `apply(..., out=None)`)."""
+    running-statistics update: `apply(..., out=None)`; its `eval/reward_model/` metrics are the collector's to take:
+    RewardModelScoring.take_eval_metrics)."""
 
     def __init__(self, reward: RewardGroup, reward_model: Any) -> None:
         self.reward, self.reward_model = reward, reward_model
