@@ -121,10 +121,11 @@ def answer_equivalence(task: Any) -> SameAnswer | None:
 
 
 def restore_reward_model(collector: Any, model_path: str) -> bool:
-    """Give the collector's reward model (reward_model=hf, normalize=running) the running statistics the training
-    run had at the checkpoint `model_path` belongs to (`<checkpoint>/actor/model`), so that roll-eval's reward is
-    the training run's own eval/reward (a fresh scorer standardised the evaluated batch by itself). Returns whether
-    statistics were restored."""
+    """Give the collector's reward model (reward_model=hf, normalize=running or batch: evaluation normalises by the
+    training scores' running statistics either way) the statistics the training run had at the checkpoint
+    `model_path` belongs to (`<checkpoint>/actor/model`), so that roll-eval's reward is the training run's own
+    eval/reward (a fresh scorer standardised the evaluated batch by itself; a batch-mode checkpoint written before
+    its statistics were kept has none). Returns whether statistics were restored."""
     scoring = getattr(collector, "reward_model", None)
     folder = Path(model_path)
     state_file = folder.parent.parent / "state.json"
