@@ -220,3 +220,66 @@ def test_a_fresh_engine_reads_in_place_and_a_stepped_one_into_copies(
         assert torch.equal(a, b), i
     fresh.load(saved)  # and it loads as a whole
     assert fresh._step == 1
+
+
+@pytest.mark.parametrize("where", ["weights", "optimizer"])
+def test_a_fresh_engine_stays_fresh_when_writing_the_load_fails(
+    tiny: str, trained: tuple, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A resume's engine reads the optimizer's state in place (into the zeros primed for the read): when writing
+    the load fails after the read (the weights, written last; or the optimizer's load_state_dict once it has
+    loaded), the optimizer is put back to fresh (no state, this run's hyperparameters, its masters the model's
+    weights), as a failed read leaves it. On the old code it kept the checkpoint's moments (and the distributed
+    optimizer of an fp32 model the checkpoint's weights, its masters being views of them) with the step still 0."""
+    from roll_engines.train._settings import snapshot
+    from roll_engines.train.megatron import _convert
+    from roll_engines.train.megatron._checkpoint import parts
+
+    engine, saved, _ = trained
+    fresh = _engine(tiny, any(type(o).__name__ == "DistributedOptimizer" for o in parts(engine.optimizer)))
+    before, configured = _state(fresh), snapshot(fresh.optimizer)
+
+    def write_mapped(*args: Any, **kw: Any) -> None:
+        raise OSError("no space left on device")
+
+    def load_state_dict(state: Any, load: Any = fresh.optimizer.load_state_dict) -> None:
+        load(state)
+        raise OSError("no space left on device")
+
+    if where == "weights":
+        monkeypatch.setattr(_convert, "write_mapped", write_mapped)
+    else:
+        monkeypatch.setattr(fresh.optimizer, "load_state_dict", load_state_dict)
+    with pytest.raises(OSError, match="no space"):
+        fresh.load(saved)
+    assert not any(st for o in parts(fresh.optimizer) for st in o.optimizer.state.values())
+    _assert_same(_state(fresh), before)
+    assert snapshot(fresh.optimizer) == configured
+    monkeypatch.undo()
+    fresh.load(saved)  # and the whole folder still loads
+    assert fresh._step == 1
+
+
+def test_a_stepped_engine_says_its_optimizer_must_be_reloaded_when_writing_fails(
+    trained: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stepped engine's optimizer is written from copies and not kept (a copy of its state would raise a load's
+    peak memory by it): when writing the load fails after the optimizer's state was written, the error says that
+    the optimizer's state is the checkpoint's, not the engine's, and that it must be loaded again."""
+    from roll_engines.train.megatron import _convert
+
+    engine, saved, step = trained
+    step()
+    position = engine._step
+
+    def write_mapped(*args: Any, **kw: Any) -> None:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(_convert, "write_mapped", write_mapped)
+    with pytest.raises(RuntimeError, match=r"inconsistent.*load a checkpoint again") as got:
+        engine.load(saved)
+    assert isinstance(got.value.__cause__, OSError)
+    assert engine._step == position
+    monkeypatch.undo()
+    engine.load(saved)  # a load that succeeds makes it whole again
+    assert engine._step == 1

@@ -9,8 +9,10 @@ fsync their shards, but not the folder entries, nor rank 0 its metadata files). 
 a step made (`_staged`): a folder that fails to read leaves the optimizer as it was. As hf's load
 (roll_engines.train._optim.load_optimizer), a fresh optimizer (a resume's) is read in place, into the zeros primed
 for the read and dropped again on failure, and only a stepped one's moments are read into copies: a copy of every
-moment would raise a resume's peak memory by the optimizer's state (8 B a parameter, Adam in fp32). Callers run
-these under the engine's CPU shims."""
+moment would raise a resume's peak memory by the optimizer's state (8 B a parameter, Adam in fp32). So when writing
+a load fails after the read (`written_or_reset`), a fresh optimizer is put back to fresh, and a stepped one, whose
+own state no copy was kept of, raises an error that says it must be loaded again. Callers run these under the
+engine's CPU shims."""
 
 from __future__ import annotations
 
@@ -170,6 +172,58 @@ def torch_adam_steps_restored(optimizer: Any) -> Iterator[None]:
         for state in getattr(inner, "state", {}).values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
+
+
+def stepped(optimizer: Any) -> bool:
+    """Whether any torch optimizer inside `optimizer` has state (Adam's moments): a fresh one (a resume's) has none."""
+    return any(state for opt in parts(optimizer) for state in opt.optimizer.state.values())
+
+
+@contextlib.contextmanager
+def written_or_reset(model: Any, optimizer: Any, fresh: bool) -> Iterator[None]:
+    """Around writing a load (`write_optimizer`, then the weights): if it fails, a `fresh` optimizer (no state
+    before its `read_optimizer`, which read into its own primed zeros) is put back to fresh, as a failed read
+    leaves it: no state, this run's hyperparameters, its masters the model's weights again (the fp32 copies a load
+    writes: a bf16 model's are copied from its weights; the distributed optimizer's of an fp32 model are views of
+    the weights themselves, so a load wrote the weights: those shards, 4 B a parameter / DP, are kept to put back).
+    A stepped optimizer's state was overwritten with no copy kept (one would raise a load's peak memory by the
+    optimizer's state): the error (a RuntimeError from the cause) says that it is no longer the engine's and must be
+    loaded again, lest training go on from a mix of the checkpoint's optimizer (and masters) and the engine's own."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    from roll_engines.train._settings import reapply, snapshot
+
+    configured = snapshot(optimizer)  # (a load_state_dict failing half-way may leave the checkpoint's)
+    kept = []
+    if fresh:
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept = [
+            (m, m.detach().clone())
+            for opt in parts(optimizer)
+            if isinstance(opt, DistributedOptimizer)
+            for group in opt.optimizer.param_groups
+            for m in group["params"]
+            if m.untyped_storage().data_ptr() in weights
+        ]
+    try:
+        yield
+    except BaseException as e:
+        if fresh:
+            with torch.no_grad():
+                for master, copy in kept:
+                    master.copy_(copy)
+            for opt in parts(optimizer):
+                opt.optimizer.state.clear()
+            optimizer.reload_model_params()  # the other masters from the model's weights
+            reapply(optimizer, configured)
+            raise
+        if not isinstance(e, Exception):  # (an interrupt stays one)
+            raise
+        raise RuntimeError(
+            f"writing the checkpoint's optimizer state and weights failed ({type(e).__name__}: {e}): the engine's "
+            "optimizer state (and the fp32 masters it holds) is now inconsistent, partly or wholly the checkpoint's "
+            "beside the engine's own weights and step; load a checkpoint again before training on"
+        ) from e
 
 
 def optimizer_kind(optimizer: Any) -> str:

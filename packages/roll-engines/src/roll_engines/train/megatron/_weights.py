@@ -12,6 +12,7 @@ _convert.load_hf's input (the engine's first load uses it too). It uses the engi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -28,7 +29,13 @@ from roll_engines.train.megatron import _convert as C
 from roll_engines.train.megatron import _critic as V
 from roll_engines.train.megatron import _export as X
 from roll_engines.train.megatron import _lora as L
-from roll_engines.train.megatron._checkpoint import read_optimizer, save_optimizer, write_optimizer
+from roll_engines.train.megatron._checkpoint import (
+    read_optimizer,
+    save_optimizer,
+    stepped,
+    write_optimizer,
+    written_or_reset,
+)
 from roll_engines.train.megatron._optimizer import finish_param_gather
 
 
@@ -147,7 +154,9 @@ class MegatronWeightsAndCheckpoints:
         All or nothing: a folder that fails to load (a missing, truncated or misshapen shard, no `optimizer/`)
         raises and leaves the engine as it was. `model/` (LoRA: `adapter/`) is read, mapped and checked (names,
         shapes) and the optimizer state read into tensors of its own (_checkpoint.read_optimizer) before anything is
-        written; the adapter is put back (small) if writing the optimizer's state then fails. (The
+        written; the adapter is put back (small) if writing the optimizer's state or the weights then fails, and a
+        fresh optimizer (a resume's, read in place) is put back to fresh; a stepped one's error then says that its
+        state is inconsistent and must be loaded again (no copy of it is kept: _checkpoint.written_or_reset). (The
         weights were written first: a folder without `optimizer/`, or with a truncated optimizer shard, raised with
         the new weights loaded, and a misshapen tensor only after the tensors before it had been copied.)"""
         import torch.distributed as dist
@@ -155,6 +164,7 @@ class MegatronWeightsAndCheckpoints:
         folder = Path(folder)
         self._gather_params()  # no pending all-gather of the old weights may land on the loaded ones
         mapped = adapter = loaded = None
+        fresh = self.optimizer is not None and not stepped(self.optimizer)  # (before the read primes it)
         with self._shims():
             if self.lora:  # (the base stays what model_path holds; only the adapter was trained)
                 adapter = L.load_adapter(self.model, self.hf_config, folder / "adapter", *self.lora[:2], write=False)
@@ -172,7 +182,10 @@ class MegatronWeightsAndCheckpoints:
                     say=dist.get_rank() == 0,
                 )
         trained = [p for p in self.model.parameters() if p.requires_grad] if self.lora else []
-        with self._shims(), _restored_on_failure(trained):
+        # On failure the adapter is put back first, then a fresh optimizer reset (its masters from the weights put
+        # back); a stepped one's error says it must be loaded again (_checkpoint.written_or_reset).
+        reset = written_or_reset(self.model, self.optimizer, fresh) if loaded is not None else contextlib.nullcontext()
+        with self._shims(), reset, _restored_on_failure(trained):
             if adapter is not None:
                 L.write_adapter(adapter)
             if loaded is not None:
