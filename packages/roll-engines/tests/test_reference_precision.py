@@ -2,11 +2,13 @@
 (roll_engines.train._precision). It was held wholly in bf16, so its norms, embeddings and residual adds ran in
 bf16 where the actor's ran in fp32: at step 0 the two differed by ~2e-3 per token on the tiny model (a DPO margin and
 a KL penalty that were not 0 before any step). Now it holds the weights autocast casts anyway (nn.Linear, GPT-2's
-Conv1D) in bf16, the rest in fp32, and runs under the actor's autocast."""
+Conv1D) in bf16, the rest in fp32, and runs under the actor's autocast. MoE experts stored stacked (transformers 5)
+are held in bf16 too, the actor casting them to bf16 on entry to their forward."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +156,101 @@ def test_a_reference_refreshed_from_the_trained_actor_equals_it(models: dict[str
     assert float((a - ref.compute_logprobs(batch)["logprobs"][mask]).abs().max()) <= 1e-6
     assert ref.model.lm_head.weight.dtype == torch.float32  # (the layout survives the load)
     assert ref.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+# ---- MoE: transformers' stacked experts (roll_engines.train._precision.mirror_autocast) ---------------------------
+
+
+def _moe_family(kind: str, folder: Path) -> str:
+    """A 2-layer Mixtral or OLMoE (4 experts, top-2) with the builtin tiny tokenizer, saved in `folder`."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig
+
+    tok = build_tiny_tokenizer()
+    common = dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=2, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    if kind == "mixtral":
+        config = MixtralConfig(num_local_experts=4, **common)
+    else:
+        config = OlmoeConfig(num_experts=4, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, **common)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # routing by clear margins, as roll_core.testing.models does
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from roll_core.testing.models import tiny_model
+
+    root = tmp_path_factory.mktemp("moe")
+    return {
+        "qwen3_moe": tiny_model("qwen3_moe", root / "qwen3_moe"),
+        "mixtral": _moe_family("mixtral", root / "mixtral"),
+        "olmoe": _moe_family("olmoe", root / "olmoe"),
+    }
+
+
+def _expert_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    return {p.dtype for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
+def test_moe_reference_holds_its_experts_in_bf16_and_equals_the_actor(moe_models: dict[str, str], name: str) -> None:
+    """The experts (one (E, out, in) tensor per projection, no nn.Linear) stayed fp32 in the reference: ~98% of an
+    fp32 reference's bytes on a large MoE. Now bf16, and the reference's log-probs still equal the actor's: the
+    actor's experts are cast to bf16 on entry too (transformers' default grouped_mm is not on autocast's list)."""
+    path = moe_models[name]
+    batch = toy_batch(path)
+    actor = HFTrainEngine(path, dtype="bfloat16")
+    ref = HFTrainEngine(path, role="reference", dtype="bfloat16")
+    assert actor.model.config._experts_implementation == "grouped_mm"  # (transformers' default: the one that casts)
+    assert _expert_dtypes(ref.model) == {torch.bfloat16} and _expert_dtypes(actor.model) == {torch.float32}
+    router = ref.model.model.layers[0].mlp.gate.weight  # (not a Linear in transformers 5: kept as loaded)
+    assert router.dtype == torch.float32 and ref.model.model.norm.weight.dtype == torch.float32
+    # Old code: the experts fp32, 0.82-0.89 of the actor's bytes here (0.98 on Qwen3-30B-A3B by arithmetic);
+    # now 0.53-0.54 (measured).
+    assert _bytes(ref) < 0.6 * _bytes(actor)
+    mask = batch["response_mask"].bool()
+    a = actor.compute_logprobs(batch)["logprobs"][mask]
+    r = ref.compute_logprobs(batch)["logprobs"][mask]
+    assert float((a - r).abs().max()) <= 1e-6  # measured: bit for bit (without the actor's cast: 1e-3..2e-3)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+def test_each_experts_implementation_computes_from_bf16_expert_weights(
+    moe_models: dict[str, str], implementation: str
+) -> None:
+    """Under bf16 autocast, the fp32 actor and its bf16-held frozen copy give equal logits in each of transformers'
+    experts implementations; the actor's gradients reach its fp32 expert masters, and no cast outlives a forward
+    (an exception included: a stale copy would hide the next step's weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from roll_engines.train._precision import mirror_autocast, stacked_experts
+
+    path = moe_models["qwen3_moe"]
+    models = [AutoModelForCausalLM.from_pretrained(path, experts_implementation=implementation) for _ in range(2)]
+    actor, ref = models
+    assert mirror_autocast(actor, torch.bfloat16, frozen=False) == 2  # (one experts module per layer)
+    mirror_autocast(ref, torch.bfloat16, frozen=True)
+    assert _expert_dtypes(ref) == {torch.bfloat16} and _expert_dtypes(actor) == {torch.float32}
+    ids = toy_batch(path)["input_ids"][:2]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = actor(ids).logits
+        with torch.no_grad():
+            r = ref(ids).logits
+    assert float((a.detach().float() - r.float()).abs().max()) == 0.0
+    a.float().square().mean().backward()
+    experts = actor.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad.dtype == torch.float32
+    assert float(experts.down_proj.grad.abs().sum()) > 0
+    with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=torch.bfloat16):
+        experts(torch.zeros(3, 5), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))  # wrong hidden size
+    for module, names in stacked_experts(actor):
+        assert not set(names) & set(vars(module)) and module.gate_up_proj.dtype == torch.float32

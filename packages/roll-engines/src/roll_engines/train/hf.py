@@ -78,7 +78,7 @@ from roll_engines.train._micro import (
 from roll_engines.train._micro import padding_row as _padding_row
 from roll_engines.train._optim import adamw_kernel, lr_lambda, optimizer_state_mb, param_groups
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
-from roll_engines.train._precision import engine_dtypes, hold_as_autocast_casts
+from roll_engines.train._precision import engine_dtypes, mirror_autocast
 from roll_engines.train._routing import RoutingReplay
 from roll_hw.cpu import fp32_linear_library
 
@@ -227,8 +227,8 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         # scoring passes computed in eval mode (a token-classification head brings dropout 0.1 by default; an
         # attention layer's rate is a plain float: roll_engines.train._dropout).
         disable_dropout(model)
-        if not self.trainable and self.autocast:  # a frozen model of fp32 masters: linear weights narrowed (__init__)
-            hold_as_autocast_casts(model, self.compute_dtype)
+        if self.autocast:  # (__init__) MoE experts computed in bf16 as linears; a frozen model: cast weights narrowed
+            mirror_autocast(model, self.compute_dtype, frozen=not self.trainable)
         return self._place(model)
 
     def _instantiate(self, model_class: Any, kwargs: dict[str, Any]) -> torch.nn.Module:
