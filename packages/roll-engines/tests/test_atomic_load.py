@@ -148,3 +148,117 @@ def test_a_fresh_engine_stays_fresh_after_a_failed_load(make_engine, tmp_path: P
         fresh.load(_broken(tmp_path / "saved", tmp_path, "truncated-optimizer-shard"))
     assert not fresh.optimizer.state
     _assert_same(_state(fresh), before)
+
+
+def _groups(engine: Any) -> list[dict[str, Any]]:
+    """The optimizer's hyperparameters, group by group (lr, weight decay, betas, ...)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+
+
+def _fail_writing(monkeypatch: pytest.MonkeyPatch, engine: Any, where: str, error: BaseException) -> None:
+    """Make writing `engine`'s next load fail after a good read: the optimizer's write loads the checkpoint's state
+    (DCP's set_optimizer_state_dict), then raises; or the weights' write (written last) raises."""
+    import torch.distributed.checkpoint.state_dict as dcp_state
+
+    if where == "optimizer":
+        write = dcp_state.set_optimizer_state_dict
+
+        def loads_then_raises(*args: Any, **kw: Any) -> None:
+            write(*args, **kw)
+            raise error
+
+        monkeypatch.setattr(dcp_state, "set_optimizer_state_dict", loads_then_raises)
+    else:
+
+        def raises(*args: Any, **kw: Any) -> None:
+            raise error
+
+        monkeypatch.setattr(engine, "_load_full_weights", raises)
+
+
+@pytest.mark.parametrize("where", ["optimizer", "weights"])
+@pytest.mark.parametrize("kind", ["hf", "fsdp2"])
+def test_a_fresh_engine_stays_fresh_when_writing_the_load_fails(
+    make_engine, tmp_path: Path, kind: str, where: str, tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume's engine reads the optimizer's state in place (into the zeros primed for the read): when writing the
+    load fails after the read (the optimizer's write once it has loaded, or the weights', written after it), the
+    optimizer is put back to fresh (no state, its own hyperparameters), as a failed read leaves it, and the error is
+    the write's own. On the old code it kept the checkpoint's moments (fsdp2: DTensor shards) with the step at 0."""
+    saver = make_engine(kind)
+    saver.train_step(toy_batch(tiny), PolicyObjective())
+    saver.save(tmp_path / "saved", tiny)
+    fresh = make_engine(kind)
+    before, groups = _state(fresh), _groups(fresh)
+    _fail_writing(monkeypatch, fresh, where, OSError("no space left on device"))
+    with pytest.raises(OSError, match="no space"):
+        fresh.load(tmp_path / "saved")
+    assert not fresh.optimizer.state
+    _assert_same(_state(fresh), before)
+    assert _groups(fresh) == groups
+    monkeypatch.undo()
+    fresh.load(tmp_path / "saved")  # and the whole folder still loads
+    _assert_same(_state(fresh), _state(saver))
+
+
+@pytest.mark.parametrize("where", ["optimizer", "weights"])
+@pytest.mark.parametrize("kind", ["hf", "fsdp2"])
+def test_a_stepped_engine_says_its_optimizer_must_be_reloaded_when_writing_fails(
+    make_engine, tmp_path: Path, kind: str, where: str, tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stepped engine's optimizer is written from copies and not kept (a copy of its state would raise a load's
+    peak memory by it): when writing the load fails after the read, the error (a RuntimeError from the write's)
+    says that the optimizer's state is inconsistent and that a checkpoint must be loaded again. On the old code the
+    write's own error came, with the checkpoint's moments beside the engine's weights and schedule position."""
+    engine = make_engine(kind)
+    batch, objective = toy_batch(tiny), PolicyObjective()
+    engine.train_step(batch, objective)
+    engine.save(tmp_path / "saved", tiny)
+    saved = _state(engine)
+    engine.train_step(batch, objective)
+    _fail_writing(monkeypatch, engine, where, OSError("no space left on device"))
+    with pytest.raises(RuntimeError, match=r"inconsistent.*load a checkpoint again") as got:
+        engine.load(tmp_path / "saved")
+    assert isinstance(got.value.__cause__, OSError)
+    assert engine.scheduler.last_epoch == 2  # (nothing after the failed write ran)
+    monkeypatch.undo()
+    engine.load(tmp_path / "saved")  # a load that succeeds makes it whole again
+    _assert_same(_state(engine), saved)
+
+
+def test_an_interrupt_while_writing_a_load_stays_an_interrupt(
+    make_engine, tmp_path: Path, tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during the write of a stepped engine's load reaches the caller as itself, not as an error."""
+    engine = make_engine("hf")
+    engine.train_step(toy_batch(tiny), PolicyObjective())
+    engine.save(tmp_path / "saved", tiny)
+    _fail_writing(monkeypatch, engine, "weights", KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        engine.load(tmp_path / "saved")
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_a_lora_engine_whose_optimizer_write_fails(
+    make_engine, tmp_path: Path, tiny: str, monkeypatch: pytest.MonkeyPatch, stepped: bool
+) -> None:
+    """LoRA: the adapter (written before the optimizer) is put back, and the optimizer's failed write leaves a fresh
+    engine fresh or tells a stepped one to load a checkpoint again."""
+    pytest.importorskip("peft")
+    saver = make_engine("hf", lora_rank=4, lora_alpha=8.0)
+    saver.train_step(toy_batch(tiny), PolicyObjective())
+    saver.save(tmp_path / "saved", tiny)
+    engine = saver if stepped else make_engine("hf", lora_rank=4, lora_alpha=8.0)
+    if stepped:
+        engine.train_step(toy_batch(tiny), PolicyObjective())  # its adapter now differs from the checkpoint's
+    before = _state(engine)
+    _fail_writing(monkeypatch, engine, "optimizer", OSError("no space left on device"))
+    with pytest.raises(RuntimeError if stepped else OSError) as got:
+        engine.load(tmp_path / "saved")
+    if stepped:
+        assert "load a checkpoint again" in str(got.value) and isinstance(got.value.__cause__, OSError)
+        for name, p in _state(engine)["params"].items():  # the adapter put back
+            assert torch.equal(p, before["params"][name]), name
+    else:
+        assert not engine.optimizer.state
+        _assert_same(_state(engine), before)

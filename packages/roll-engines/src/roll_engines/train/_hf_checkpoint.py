@@ -37,7 +37,7 @@ from roll_engines.train._lora import (
     save_lora,
     sync_parents,
 )
-from roll_engines.train._optim import load_optimizer, save_optimizer
+from roll_engines.train._optim import read_optimizer, save_optimizer, write_optimizer, written_or_reset
 from roll_engines.train._safetensors_file import read_safetensors
 from roll_engines.train._settings import reapply, rebased, snapshot
 
@@ -182,9 +182,15 @@ class HFWeightsAndCheckpoints:
         All or nothing: a folder that fails to load (a missing or corrupt shard, no `optimizer/` or `engine.pt`)
         raises, on every rank, and leaves the engine as it was. `engine.pt` and `model/` are read and checked
         (every parameter filled, nothing else, shapes) before anything is written; the optimizer's state is read
-        into copies of its tensors (_optim.load_optimizer) before the weights are written; a LoRA adapter (small)
-        is put back if its load or the optimizer's fails. (The weights were written first: a folder without
-        `optimizer/`, or with a truncated optimizer shard, raised with the new weights loaded.)"""
+        (_optim.read_optimizer: a stepped optimizer's into copies of its tensors) before it and the weights are
+        written; a LoRA adapter (small) is put back if a later step fails. (The weights were written first: a folder
+        without `optimizer/`, or with a truncated optimizer shard, raised with the new weights loaded.)
+
+        Writing the load (optimizer, weights, scheduler, scaler) can still fail after a good read: a fresh engine (a
+        resume's, whose optimizer was read in place) is then put back to fresh and the error raised as it is; a
+        stepped engine's optimizer state was overwritten with no copy kept, and it raises a RuntimeError saying so
+        (load a checkpoint again: _optim.written_or_reset). (A failed write left a fresh engine with part of the
+        checkpoint's moments at step 0, and a stepped one with them beside its own weights, with no word of it.)"""
         folder = Path(folder)
         weights = small = None
         if not self.lora:  # (LoRA: the base stays what model_path holds; only the adapter was trained)
@@ -202,22 +208,27 @@ class HFWeightsAndCheckpoints:
                 say=self.dp_rank == 0,
             )
         trained = [p for p in self.model.parameters() if p.requires_grad] if self.lora else []
+        fresh = self.optimizer is not None and not self.optimizer.state  # (before the read primes it)
         with _restored_on_failure(trained):
             if self.lora:
                 self._load_adapter(folder / "adapter")
-            if self.optimizer is not None:
-                configured = snapshot(self.optimizer)  # this run's lr, weight decay, betas: the checkpoint's would win
-                load_optimizer(self.model, self.optimizer, folder / "optimizer")
-        if weights is not None:
-            self._load_full_weights(weights, checked=True)
-        if small is None:
-            return
-        self.scheduler.load_state_dict({**small["scheduler"], "last_epoch": position})
-        # The configured settings take effect at that position (a resume with a changed algo.lr).
-        reapply(self.optimizer, configured, self.scheduler)
-        if self.scaler is not None and "scaler" in small:
-            self.scaler.load_state_dict(small["scaler"])
-            self.scaler_streak = int(small.get("scaler_streak", 0))
+            if self.optimizer is None:
+                if weights is not None:
+                    self._load_full_weights(weights, checked=True)
+                return
+            configured = snapshot(self.optimizer)  # this run's lr, weight decay, betas: the checkpoint's would win
+            loaded = read_optimizer(self.model, self.optimizer, folder / "optimizer")
+            kept = [self.scheduler] + ([self.scaler] if self.scaler is not None else [])
+            with written_or_reset(self.optimizer, fresh, kept):
+                write_optimizer(self.model, self.optimizer, loaded)
+                if weights is not None:
+                    self._load_full_weights(weights, checked=True)
+                self.scheduler.load_state_dict({**small["scheduler"], "last_epoch": position})
+                # The configured settings take effect at that position (a resume with a changed algo.lr).
+                reapply(self.optimizer, configured, self.scheduler)
+                if self.scaler is not None and "scaler" in small:
+                    self.scaler.load_state_dict(small["scaler"])
+                    self.scaler_streak = int(small.get("scaler_streak", 0))
 
     def _load_adapter(self, folder: Path) -> None:
         """Load a checkpoint's `adapter/` folder (the fsdp2 engine reads it on rank 0 and broadcasts it)."""

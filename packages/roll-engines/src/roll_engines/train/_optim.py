@@ -1,14 +1,18 @@
 """The `hf`/`fsdp2` engines' optimizer pieces: the LR schedule, the param groups (no weight decay on biases and
 norms), AdamW's kernel choice and the optimizer-state checkpoint (torch.distributed.checkpoint, keyed by parameter
 name, sharded by rank, resharded on load: a run saved on N ranks resumes on M ranks or in one process). Saving an
-optimizer that has not stepped yet leaves its next update unchanged (and so does resuming from that checkpoint)."""
+optimizer that has not stepped yet leaves its next update unchanged (and so does resuming from that checkpoint).
+A load is a read (`read_optimizer`: a failure leaves the optimizer as it was) and then a write (`write_optimizer`,
+under `written_or_reset`: a failure puts a fresh optimizer back to fresh, and tells a stepped one that its state
+is inconsistent and must be loaded again)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +107,13 @@ def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fol
         dcp.save(state, checkpoint_id=folder, no_dist=not _distributed())
 
 
-def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Load what `save_optimizer` wrote, resharded to this engine's layout (collective on sharded engines). A read
-    that fails (a missing or truncated shard) raises and leaves the optimizer's state as it was."""
+def read_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict[str, Any]:
+    """Read what `save_optimizer` wrote, resharded to this engine's layout (collective on sharded engines), for
+    `write_optimizer`. A read that fails (a missing or truncated shard) raises and leaves the optimizer's state as it
+    was. A fresh optimizer (no step yet: a resume's) is read in place, into the zeros DCP primes its state with; a
+    stepped one's moments into copies, so its own state is intact until `write_optimizer`."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     # The template has this run's sharding; DCP reshards the saved state into it. Adam's per-parameter state
     # (keyed by parameter name) alone: the groups' hyperparameters are this run's anyway (the engine reapplies them,
@@ -128,8 +134,47 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fol
         if fresh:
             optimizer.state.clear()
         raise
-    loaded = {"state": state["optimizer"]["state"], "param_groups": template["param_groups"]}
+    return {"state": state["optimizer"]["state"], "param_groups": template["param_groups"]}
+
+
+def write_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
+    """Write `read_optimizer`'s state into the optimizer (run it under `written_or_reset`: a failure here may leave
+    the optimizer's state partly the checkpoint's)."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
     set_optimizer_state_dict(model, optimizer, loaded)
+
+
+@contextlib.contextmanager
+def written_or_reset(optimizer: torch.optim.Optimizer, fresh: bool, small: Sequence[Any] = ()) -> Iterator[None]:
+    """Around writing a load once its read succeeded (`write_optimizer`, the weights, the scheduler, the scaler):
+    if the body fails, a `fresh` optimizer (no state before `read_optimizer`, which read into its own primed zeros:
+    FSDP2's DTensor shards alike) is put back to fresh, as a failed read leaves it: no state, its param groups'
+    hyperparameters as they were, and `small` (objects with `state_dict`/`load_state_dict`: the scheduler, the
+    grad scaler) as they were; the error is raised unchanged. A stepped optimizer's state was overwritten with no
+    copy kept (one would raise a load's peak memory by the optimizer's state): its error is a RuntimeError from the
+    cause that says the state is no longer the engine's and a checkpoint must be loaded again, lest training go on
+    from the checkpoint's moments beside the engine's own weights and schedule position (megatron's rule:
+    roll_engines.train.megatron._checkpoint.written_or_reset). An interrupt (no Exception) is raised unchanged."""
+    groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+    kept = [(o, copy.deepcopy(o.state_dict())) for o in small] if fresh else []
+    try:
+        yield
+    except BaseException as e:
+        if fresh:
+            optimizer.state.clear()
+            for group, hyper in zip(optimizer.param_groups, groups):
+                group.update(hyper)
+            for o, state in kept:
+                o.load_state_dict(state)
+            raise
+        if not isinstance(e, Exception):  # (an interrupt stays one)
+            raise
+        raise RuntimeError(
+            f"writing the checkpoint's optimizer state and weights failed ({type(e).__name__}: {e}): the engine's "
+            "optimizer state is now inconsistent, partly or wholly the checkpoint's beside the engine's own weights "
+            "and step; load a checkpoint again before training on"
+        ) from e
 
 
 def _like(value: Any) -> Any:
