@@ -15,7 +15,9 @@ Contract:
 - An integer column with nulls (what pandas writes an int column holding a null as: 3.0 and NaN), top-level or a
   struct's field, reads as ints and None in Parquet, `datasets` and JSON rows (roll_core.int_columns, as the RL
   tasks read them): a `prompt_id` of 3.0 was no group id (every rollout row a `wrong_type` skip), an id "3.0".
-  CSV values are text, read as written.
+  CSV values are text, read as written, by design (CSV holds no types; the RL tasks read no CSV): no type is
+  guessed, so "007" stays "007", and pandas' 3.0 for an int column with nulls stays "3.0" (write that column as
+  pandas' `Int64`, which CSV holds as 3, or the file as JSONL or Parquet).
 - `Skips` counts skipped rows per reason (`counts`, the `skipped: dict[str, int]` runs log) and keeps the first
   few details; `check_any(kept, setting)` raises a `ConfigError` naming the first reason when nothing was kept.
 - `stable_fraction(key)` and `held_out(...)`: a deterministic held-out split by a stable hash of each row's

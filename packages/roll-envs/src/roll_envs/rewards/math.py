@@ -116,9 +116,9 @@ log = logging.getLogger(__name__)
 #: 10-12", "x-3"), not the number's sign.
 _NUMBER = re.compile(r"(?:(?<![\w)\]])-)?\d+(?:,\d{3})*(?:\.\d+)?")
 #: A number as `last_number` reads it: digits joined by commas read as one token (so that `1,2345` is not read as
-#: `1,234` and then `5`), a decimal part and a decimal exponent (`1.5e3` is 1500, not `1.5` and then `3`); its sign
-#: as in `_NUMBER`.
-_STATED_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?P<int>\d+(?:,\d+)*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+#: `1,234` and then `5`), a decimal part and a decimal exponent (`1.5e3` is 1500, not `1.5` and then `3`; `3.e5`,
+#: a mantissa ending in its dot, is 300000, not 5); its sign as in `_NUMBER`.
+_STATED_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?P<int>\d+(?:,\d+)*)(?:\.\d+|\.(?=[eE][+-]?\d))?(?:[eE][+-]?\d+)?")
 #: Commas in a stated number: thousands separators only between groups of three digits (roll_envs.numeric).
 _THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+")
 #: Unicode minus (U+2212), which models copy from rendered text: the same sign as `-`.
