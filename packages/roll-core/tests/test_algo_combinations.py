@@ -5,22 +5,33 @@ Refused: a dual clip with a policy loss that has no clipped surrogate (cispo, ti
 dynamic sampling with groups of one (every group is uniform: each step sampled refill_max_batches batches and trained on
 nothing), and a setting the chosen built-in estimator or loss never reads (gamma < 1 with grpo, dr_grpo, rloo, or
 reinforce_pp on trajectories; lam < 1 with anything but gae; a non-default clip range with tis, topr, vanilla; a non-
-default ratio_cap with anything but tis); the lists of what ignores what are checked against the estimators and losses
-themselves, and an out-of-tree estimator or loss is never refused. Computed: KL in the reward with reinforce_pp (the
-trainer's old log-probs, not the engine's, and no KL loss beside it), an off-policy correction under several epochs and
-mini-batches (weights of the recomputed proximal log-probs over the engine's, computed once), and whitening after GRPO
-(a uniform group is re-centred).
+default ratio_cap with anything but tis; critic_lr or value_clip without a critic; kl_horizon
+without the adaptive controller; off_policy_cap without truncated IS); the lists of what ignores what are checked
+against the estimators and losses themselves, and an out-of-tree estimator or loss is never refused. Computed: KL in the
+reward with reinforce_pp (the trainer's old log-probs, not the engine's, and no KL loss beside it), an off-policy
+correction under several epochs and mini-batches (weights of the recomputed proximal log-probs over the engine's,
+computed once), and whitening after GRPO (a uniform group is re-centred).
 """
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from roll_algos import corrections
 from roll_algos.advantages import discounted_returns, whiten
-from roll_algos.losses import NO_CLIP_RANGE, NO_DUAL_CLIP, NO_RATIO_CAP, POLICY_LOSS_VARIANTS, policy_loss
+from roll_algos.corrections import CORRECTIONS, correction_weights
+from roll_algos.losses import (
+    NO_CLIP_RANGE,
+    NO_DUAL_CLIP,
+    NO_RATIO_CAP,
+    POLICY_LOSS_VARIANTS,
+    off_policy_weights,
+    policy_loss,
+)
 from roll_core import registry
 from roll_core.algorithms import NO_GAMMA, NO_GAMMA_TRAJECTORIES, NO_LAM, load_estimator
 from roll_core.config import ConfigError, compose, to_object
@@ -121,6 +132,80 @@ def test_presets_switched_to_a_loss_or_estimator_that_ignores_their_settings_nam
         to_object(compose(["algo=rloo", "algo.lam=0.95"]))
 
 
+NO_CRITIC = sorted(set(BUILT_IN_ESTIMATORS) - {"gae"})
+
+
+@pytest.mark.parametrize("estimator", NO_CRITIC)
+@pytest.mark.parametrize(("key", "value", "default"), [("critic_lr", 5e-6, 1e-05), ("value_clip", 0.5, 0.2)])
+def test_critic_settings_are_refused_without_a_critic(estimator: str, key: str, value: float, default: float) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"algo\.{key}={value} configures the critic .*adv_estimator={estimator} trains none and never reads it: "
+        rf"set algo\.{key}={default}",
+    ):
+        AlgoConfig(adv_estimator=estimator, **{key: value})
+    AlgoConfig(adv_estimator=estimator, **{key: default})  # the default every config carries: fine
+
+
+def test_a_disabled_value_clip_is_refused_without_a_critic_too() -> None:
+    with pytest.raises(ValueError, match=r"algo\.value_clip=None configures the critic .*adv_estimator=grpo"):
+        AlgoConfig(value_clip=None)
+    assert AlgoConfig(adv_estimator="gae", group_size=1, value_clip=None).value_clip is None
+
+
+@pytest.mark.parametrize(
+    "overrides", [[], ["algo.kl_in_reward=true", "algo.adv_estimator=reinforce_pp"]], ids=["kl_off", "in_reward_coef_0"]
+)
+def test_a_kl_kind_is_kept_when_kl_is_switched_off(overrides: list[str]) -> None:
+    """algo.kl_coef=0 is how a preset's KL is switched off: the preset's kind must not make that an error."""
+    assert to_object(compose([*overrides, "algo.kl_kind=k1"])).algo.kl_kind == "k1"
+    assert to_object(compose([*overrides, "algo.kl_kind=k1", "algo.kl_coef=0.01"])).algo.kl_kind == "k1"
+
+
+def test_a_kl_horizon_is_refused_without_the_adaptive_controller() -> None:
+    for kl in ({}, {"kl_coef": 0.01}):  # KL off, and a fixed coefficient: neither has a horizon
+        with pytest.raises(
+            ValueError, match=r"algo\.kl_horizon=500 .*kl_target=null .*nothing reads it: set algo\.kl_horizon=10000"
+        ):
+            AlgoConfig(kl_horizon=500, **kl)
+    assert AlgoConfig(kl_horizon=500, kl_coef=0.01, kl_target=0.05).kl_horizon == 500
+
+
+@pytest.mark.parametrize("correction", [None, *CORRECTIONS])
+def test_an_off_policy_cap_is_refused_without_truncated_is(correction: str | None) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"algo\.off_policy_cap=3\.0 .*off_policy_correction={correction} never reads it: "
+        r"set algo\.off_policy_cap=2\.0",
+    ):
+        AlgoConfig(off_policy_correction=correction, off_policy_cap=3.0)
+    AlgoConfig(off_policy_correction=correction, off_policy_cap=2.0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_an_off_policy_cap_is_kept_and_read_by_truncated_is(level: str) -> None:
+    assert AlgoConfig(off_policy_correction=level, off_policy_cap=3.0).off_policy_cap == 3.0
+    old, behaviour, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-5.0, -5.0]]), torch.ones(1, 2)
+    assert torch.equal(off_policy_weights(old, behaviour, mask, level=level, cap=3.0), torch.full((1, 2), 3.0))
+
+
+def test_the_masking_corrections_never_read_the_cap() -> None:
+    """What makes off_policy_cap ignored with them: correction_weights takes no cap, only the band's bounds."""
+    assert "cap" not in inspect.signature(correction_weights).parameters
+    for name in CORRECTIONS:
+        assert "cap" not in inspect.signature(getattr(corrections, name)).parameters
+
+
+def test_the_presets_keep_their_critic_and_kl_settings() -> None:
+    for preset in ("ppo", "asyppo"):
+        algo = to_object(compose([f"algo={preset}", "algo.critic_lr=3e-3", "algo.value_clip=0.5"])).algo
+        assert (algo.critic_lr, algo.value_clip) == (3e-3, 0.5)
+    assert to_object(compose(["algo=reinforce_pp"])).algo.kl_kind == "k1"
+    with pytest.raises(ConfigError, match=r"algo\.critic_lr=0\.003 .*algo\.adv_estimator=grpo trains none"):
+        to_object(compose(["algo=ppo", "algo.adv_estimator=grpo", "algo.group_size=2", "algo.critic_lr=3e-3"]))
+    assert to_object(compose(["algo=reinforce_pp", "algo.kl_coef=0"])).algo.kl_coef == 0  # KL switched off
+
+
 def test_an_out_of_range_value_is_said_before_it_is_called_ignored() -> None:
     with pytest.raises(ValueError, match=r"algo\.ratio_cap=0\.0 must be > 0"):
         AlgoConfig(ratio_cap=0.0)
@@ -141,6 +226,17 @@ def test_out_of_tree_estimators_and_losses_are_never_refused(monkeypatch: pytest
         adv_estimator="my_estimator", policy_loss="my_loss", gamma=0.9, lam=0.95, ratio_cap=1.5, clip_high=0.28
     )
     assert (cfg.gamma, cfg.lam, cfg.ratio_cap, cfg.clip_high) == (0.9, 0.95, 1.5, 0.28)
+    # the objective hands a plugin estimator `algo`: it may read the critic, KL and cap settings too
+    cfg = AlgoConfig(
+        adv_estimator="my_estimator", critic_lr=5e-6, value_clip=0.5, kl_kind="k1", kl_horizon=500, off_policy_cap=3.0
+    )
+    assert (cfg.critic_lr, cfg.value_clip, cfg.kl_kind, cfg.kl_horizon, cfg.off_policy_cap) == (
+        5e-6,
+        0.5,
+        "k1",
+        500,
+        3.0,
+    )
 
 
 def test_reinforce_pp_on_trajectories_refuses_a_discount_it_never_reads() -> None:

@@ -3,7 +3,9 @@
 Contract: registered with the other roll-core schemas (roll_core.config.schema.register_configs); the names an
 option accepts come from where they are implemented (`algo_choices`: installed entry points and roll-algos' lists),
 checked in `__post_init__` with a message that says how to fix the value. A setting that the chosen built-in
-estimator or policy loss never reads (algo.gamma with grpo, algo.ratio_cap with ppo, ...) is refused there too.
+estimator or policy loss never reads (algo.gamma with grpo, algo.ratio_cap with ppo, ...), or that the RL objective
+reads only when a part is on that is off (algo.critic_lr without a critic, algo.kl_horizon without a KL target,
+...), is refused there too.
 """
 
 from __future__ import annotations
@@ -280,8 +282,8 @@ class AlgoConfig:
         """Values that the chosen estimator or loss never reads (they would be silently ignored).
 
         Only roll's own estimators and losses are listed as ignoring a setting: an out-of-tree one may read it. A
-        setting with a non-null default (ratio_cap, clip_low, clip_high) is refused only when set to another value,
-        since every config carries the default.
+        setting with a non-null default (ratio_cap, clip_low, clip_high, critic_lr, value_clip, kl_horizon,
+        off_policy_cap) is refused only when set to another value, since every config carries the default.
         """
         from roll_algos.losses import NO_CLIP_RANGE, NO_RATIO_CAP
         from roll_core.algorithms import NO_GAMMA, NO_LAM
@@ -310,6 +312,34 @@ class AlgoConfig:
                 f"algo.ratio_cap={self.ratio_cap} caps the weight of policy_loss=tis; algo.policy_loss={loss} never "
                 f"reads it: set algo.ratio_cap={default['ratio_cap']} (the default; cispo bounds its weight with "
                 "algo.clip_low/clip_high)"
+            )
+        if estimator in (*NO_LAM, "gae"):  # roll's own estimators: a plugin is handed `algo` and may read any key
+            self._check_ignored_by_the_objective(default)
+
+    def _check_ignored_by_the_objective(self, default: dict[str, object]) -> None:
+        """Critic, KL and truncated-IS settings that the RL objective reads only when that part is on."""
+        if not self.use_critic:  # the critic (its optimizer and value loss) is built for adv_estimator=gae only
+            for key in ("critic_lr", "value_clip"):
+                if getattr(self, key) != default[key]:
+                    raise ValueError(
+                        f"algo.{key}={getattr(self, key)} configures the critic of adv_estimator=gae; "
+                        f"algo.adv_estimator={self.adv_estimator} trains none and never reads it: set "
+                        f"algo.{key}={default[key]} (the default), or algo.adv_estimator=gae (algo=ppo)"
+                    )
+        # algo.kl_kind is not refused with KL off: algo.kl_coef=0 is how a preset's KL (reinforce_pp's k1) is
+        # switched off, and refusing the preset's kind there would make that switch an error.
+        if self.kl_horizon != default["kl_horizon"] and self.kl_target is None:  # a fixed coefficient has no horizon
+            raise ValueError(
+                f"algo.kl_horizon={self.kl_horizon} is the horizon of the adaptive KL controller; algo.kl_target=null "
+                f"keeps algo.kl_coef fixed and nothing reads it: set algo.kl_horizon={default['kl_horizon']} (the "
+                "default), or algo.kl_target (with algo.kl_coef > 0)"
+            )
+        if self.off_policy_cap != default["off_policy_cap"] and self.off_policy_correction not in ("token", "sequence"):
+            raise ValueError(
+                f"algo.off_policy_cap={self.off_policy_cap} caps the truncated IS weights of off_policy_correction "
+                f"token and sequence; algo.off_policy_correction={self.off_policy_correction} never reads it: set "
+                f"algo.off_policy_cap={default['off_policy_cap']} (the default; the masking corrections are bounded "
+                "by algo.correction_low/correction_high)"
             )
 
     def _check_normalisation(self) -> None:
