@@ -7,7 +7,6 @@ and the fsdp2 engine (a gloo group of one in this process: rank 0 reads, checks 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from roll_core.pipelines.objectives import PolicyObjective
 from roll_core.testing.batches import toy_batch
+from roll_core.testing.broken_checkpoints import broken_checkpoint
 
 
 @pytest.fixture
@@ -65,35 +65,6 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert torch.equal(torch.as_tensor(got["adam"][i][k]), torch.as_tensor(v)), (i, k)
 
 
-def _broken(saved: Path, root: Path, how: str) -> Path:
-    """A copy of the checkpoint `saved`, broken `how`."""
-    folder = root / how
-    shutil.copytree(saved, folder)
-    model = folder / "model" / "model.safetensors"
-    if how == "no-optimizer":
-        shutil.rmtree(folder / "optimizer")
-    elif how == "no-engine-state":
-        (folder / "engine.pt").unlink()
-    elif how == "truncated-optimizer-shard":
-        for shard in (folder / "optimizer").glob("*.distcp"):
-            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    elif how in ("missing-model-shard", "misshapen-tensor", "truncated-model-shard"):
-        from safetensors.torch import load_file, save_file
-
-        tensors = load_file(model)
-        if how == "truncated-model-shard":
-            model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
-        elif how == "misshapen-tensor":  # the last tensor in name order one row short; the others fine
-            last = sorted(tensors)[-1]
-            save_file({**tensors, last: tensors[last][:-1].contiguous()}, model)
-        else:  # two shards, the second lost
-            names = sorted(tensors)
-            save_file({k: tensors[k] for k in names[: len(names) // 2]}, model)
-    else:
-        raise ValueError(how)
-    return folder
-
-
 #: What a failed load raises: a clear error, or the reader's own for an unreadable shard (DCP's: a BaseException).
 LOAD_ERRORS = (FileNotFoundError, RuntimeError, ValueError, SafetensorError, CheckpointException)
 FULL = ["no-optimizer", "no-engine-state", "truncated-optimizer-shard", "missing-model-shard", "misshapen-tensor"]
@@ -110,7 +81,7 @@ def test_a_failed_load_leaves_the_engine_as_it_was(make_engine, tmp_path: Path, 
     engine.train_step(batch, objective)  # weights, moments and schedule now differ from the checkpoint's
     before = _state(engine)
     with pytest.raises(LOAD_ERRORS) as got:
-        engine.load(_broken(tmp_path / "saved", tmp_path, how))
+        engine.load(broken_checkpoint(tmp_path / "saved", tmp_path, how))
     if how in ("missing-model-shard", "misshapen-tensor"):
         assert "checkpoint mismatch" in str(got.value), got.value
     _assert_same(_state(engine), before)
@@ -129,7 +100,7 @@ def test_a_failed_lora_load_leaves_the_adapter_as_it_was(make_engine, tmp_path: 
     before = _state(engine)
     for how in ("no-optimizer", "truncated-optimizer-shard"):
         with pytest.raises(LOAD_ERRORS):
-            engine.load(_broken(tmp_path / "saved", tmp_path, how))
+            engine.load(broken_checkpoint(tmp_path / "saved", tmp_path, how))
         _assert_same(_state(engine), before)
     engine.load(tmp_path / "saved")
     assert engine.scheduler.last_epoch == 1
@@ -145,7 +116,7 @@ def test_a_fresh_engine_stays_fresh_after_a_failed_load(make_engine, tmp_path: P
     fresh = make_engine(kind)
     before = _state(fresh)
     with pytest.raises(LOAD_ERRORS):
-        fresh.load(_broken(tmp_path / "saved", tmp_path, "truncated-optimizer-shard"))
+        fresh.load(broken_checkpoint(tmp_path / "saved", tmp_path, "truncated-optimizer-shard"))
     assert not fresh.optimizer.state
     _assert_same(_state(fresh), before)
 

@@ -7,7 +7,6 @@ hf/fsdp2 engines; TP=PP=1 in this process over gloo, the plain and the distribut
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,8 @@ pytestmark = pytest.mark.usefixtures("megatron_process_group")
 
 from safetensors import SafetensorError  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+from roll_core.testing.broken_checkpoints import broken_checkpoint  # noqa: E402
 
 #: What a failed load raises: a clear error, or the reader's own for an unreadable shard (DCP's: a BaseException).
 LOAD_ERRORS = (FileNotFoundError, RuntimeError, ValueError, SafetensorError, CheckpointException)
@@ -61,35 +62,6 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert torch.equal(torch.as_tensor(g[k]), torch.as_tensor(w[k])), (i, k)
 
 
-def _broken(saved: Path, root: Path, how: str) -> Path:
-    """A copy of the checkpoint `saved`, broken `how`."""
-    folder = root / how
-    shutil.copytree(saved, folder)
-    model = folder / "model" / "model.safetensors"
-    if how == "no-optimizer":
-        shutil.rmtree(folder / "optimizer")
-    elif how == "truncated-optimizer-shard":
-        for shard in (folder / "optimizer").glob("*.distcp"):
-            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    elif how == "no-adapter":
-        shutil.rmtree(folder / "adapter")
-    elif how in ("missing-model-shard", "misshapen-tensor", "truncated-model-shard"):
-        from safetensors.torch import load_file, save_file
-
-        tensors = load_file(model)
-        if how == "truncated-model-shard":
-            model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
-        elif how == "misshapen-tensor":  # the last tensor in name order one row short; the others fine
-            last = sorted(tensors)[-1]
-            save_file({**tensors, last: tensors[last][:-1].contiguous()}, model)
-        else:  # two shards, the second lost
-            names = sorted(tensors)
-            save_file({k: tensors[k] for k in names[: len(names) // 2]}, model)
-    else:
-        raise ValueError(how)
-    return folder
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["plain", "distributed"])
 def trained(request: pytest.FixtureRequest, tiny: str, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """(engine, its checkpoint, a function that steps it): a test steps it before its load, so that its state
@@ -115,7 +87,7 @@ def test_a_failed_load_leaves_the_engine_as_it_was(trained: tuple, tmp_path: Pat
     step()
     before = _state(engine)
     with pytest.raises(LOAD_ERRORS) as got:
-        engine.load(_broken(saved, tmp_path, how))
+        engine.load(broken_checkpoint(saved, tmp_path, how))
     _assert_same(_state(engine), before)
     if how in ("missing-model-shard", "misshapen-tensor", "truncated-model-shard"):  # the error names the folder
         assert str(tmp_path / how / "model") in str(got.value), got.value
@@ -139,7 +111,7 @@ def test_a_fresh_engine_stays_fresh_after_a_failed_load(tiny: str, trained: tupl
     fresh = _engine(tiny, any(type(o).__name__ == "DistributedOptimizer" for o in parts(engine.optimizer)))
     before = _state(fresh)
     with pytest.raises(LOAD_ERRORS):
-        fresh.load(_broken(saved, tmp_path, "truncated-optimizer-shard"))
+        fresh.load(broken_checkpoint(saved, tmp_path, "truncated-optimizer-shard"))
     assert not any(o.optimizer.state for o in parts(fresh.optimizer))
     _assert_same(_state(fresh), before)
 
@@ -157,7 +129,7 @@ def test_a_failed_lora_load_leaves_the_adapter_as_it_was(tiny: str, tmp_path: Pa
     before = _state(engine)
     for how in ("no-optimizer", "truncated-optimizer-shard", "no-adapter"):
         with pytest.raises(LOAD_ERRORS):
-            engine.load(_broken(tmp_path / "saved", tmp_path, how))
+            engine.load(broken_checkpoint(tmp_path / "saved", tmp_path, how))
         _assert_same(_state(engine), before)
     engine.load(tmp_path / "saved")
     assert engine._step == 1
