@@ -20,7 +20,7 @@ import torch
 from roll_core.checkpoint import CheckpointManager
 from roll_core.config import load_config
 from roll_core.config.resume import config_dict
-from roll_core.pipelines._resume_schedule import _multiplier, log_schedule_rebase, recorded, schedule_rebase
+from roll_core.pipelines._resume_schedule import log_schedule_rebase, recorded, schedule_rebase
 
 BASE = ["model=tiny", "pipeline.max_steps=4", "pipeline.rollout_batch_size=4", "algo.group_size=8"]
 LOGGER = "roll_core.pipelines._resume_schedule"
@@ -184,12 +184,3 @@ def test_a_change_of_the_steps_per_training_step_is_said_with_both_positions(
 
 def test_a_config_of_another_shape_is_not_compared() -> None:
     assert schedule_rebase({"algo": {"lr": 1e-4}}, _cfg("algo.num_mini_batches=2"), 2) is None
-
-
-@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
-def test_the_multiplier_is_the_engines_schedule(schedule: str) -> None:
-    from roll_engines.train._optim import lr_lambda
-
-    for warmup, total in [(0, 8), (3, 8), (8, 8), (2, 1)]:
-        fn = lr_lambda(schedule, warmup, total)
-        assert [_multiplier(schedule, warmup, total, s) for s in range(12)] == [fn(s) for s in range(12)]

@@ -9,8 +9,9 @@ alike, re-base the count to as many training steps of the new plan (roll_engines
 goes on where a run with the new settings from its start would be, as a changed pipeline.max_steps alone keeps the
 count (a run planned with the new length). Before, the saved count was read against the new plan: 2 mini-batches ->
 1 at step 5 of 10 under a cosine schedule put the schedule at its end and the remaining steps trained at LR 0.
-`schedule_rebase` says so in one INFO line (from -> to, the LR it gives). Adam's own step counts (its bias
-correction) are not re-based: they count the updates the moments took.
+`schedule_rebase` says so in one INFO line (from -> to, the LR it gives: roll_algos.schedules.lr_multiplier, the
+engines' own rule). Adam's own step counts (its bias correction) are not re-based: they count the updates the moments
+took.
 
 The engines re-base only a count recorded with its steps per training step: a checkpoint written before they
 recorded it (hf/fsdp2: `engine.pt` without `optimizer_steps_per_step`; Megatron: the optimizer checkpoint's common
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import pickle
 import re
 from collections.abc import Mapping, Sequence
@@ -40,6 +40,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from roll_algos.schedules import lr_multiplier
 from roll_core.checkpoint import CheckpointManager
 from roll_core.pipelines.wiring import mini_batches
 
@@ -135,7 +136,7 @@ def schedule_rebase(
     done, planned = step * old, step * new  # the checkpoint's count (at most), a run planned so from the start
     total = int(cfg.pipeline.max_steps) * new
     warmup = int(algo.warmup_steps)
-    lr = _multiplier(algo.lr_schedule, warmup, total, planned)
+    lr = lr_multiplier(algo.lr_schedule, warmup, total, planned)
     head = (
         f"resumed at step {step} with {new} optimizer steps per training step (algo.ppo_epochs x mini-batches), "
         f"the checkpoint's {old}"
@@ -159,7 +160,7 @@ def schedule_rebase(
             f"roll cannot tell whether {', '.join(unknown)} recorded them (no engine.pt or Megatron "
             "optimizer/common.pt: another engine's layout)"
         )
-    lr_now = _multiplier(algo.lr_schedule, warmup, total, done)
+    lr_now = lr_multiplier(algo.lr_schedule, warmup, total, done)
     ended = algo.lr_schedule != "constant" and done >= total and total > warmup
     return (
         f"{head}, but {'; '.join(why)}: such an engine cannot re-base the LR schedule (algo.lr_schedule="
@@ -170,19 +171,6 @@ def schedule_rebase(
         + " (resume with the checkpoint's algo.num_mini_batches, algo.mini_batch_size, algo.ppo_epochs and "
         "pipeline.rollout_batch_size to keep the schedule)"
     )
-
-
-def _multiplier(schedule: str, warmup: int, total: int, position: int) -> float:
-    """The LR multiplier at optimizer step `position` (roll_engines.train._optim.lr_lambda's rule, which the hf,
-    fsdp2 and megatron engines share; repeated here: roll_core does not import the engines)."""
-    if warmup > 0 and position < warmup:
-        return (position + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (position - warmup) / max(1, total - warmup))
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return 1.0 - progress
 
 
 def _namespace(node: Any) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -18,28 +17,20 @@ from typing import Any
 
 import torch
 
-#: The LR schedules after the warm-up (algo.lr_schedule).
-LR_SCHEDULES = ("constant", "cosine", "linear")
+from roll_algos.schedules import check_lr_schedule, lr_multiplier
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of the base LR at optimizer step `s`: linear warm-up, then constant, cosine or linear decay.
+    """Multiplier of the base LR at optimizer step `s`: linear warm-up, then constant, cosine or linear decay
+    (roll_algos.schedules.lr_multiplier, the rule the driver's resume message reads too).
 
     An unknown `schedule` is a ValueError here: the multiplier read it only past the warm-up, so an engine built
     with a misspelt one trained through its warm-up and failed mid-run (or never, when the run was no longer than
     its warm-up)."""
-    if schedule not in LR_SCHEDULES:
-        raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+    check_lr_schedule(schedule)
 
     def fn(step: int) -> float:
-        if warmup_steps > 0 and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant" or total_steps <= warmup_steps:
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0 - progress  # linear
+        return lr_multiplier(schedule, warmup_steps, total_steps, step)
 
     return fn
 
