@@ -104,10 +104,11 @@ def test_last_number_and_the_vote_read_space_grouped_thousands_as_the_grader() -
     `1 234 567` stated 567. The vote key is the grader's value."""
     assert last_number("the answer is 5 000") == "5000"
     assert last_number("so 1 234 567 ways") == "1234567"
-    assert last_number("it is 5\\,000") == "5000" and last_number("it is 1234\\,567") == "567"
-    assert last_number("the pair (3, 4)") == "4" and last_number("values 3 4") == "4"
-    assert last_number("in 2023 100 people") == "100"  # a first group of four: two numbers
-    assert last_number("x = 10 20 300") == "300"
+    assert last_number("it is 5\\,000") == "5000"
+    # Numbers side by side are no one number, as in a box (they gave their last group: 567, 4, 100, 300)
+    assert last_number("it is 1234\\,567") is None and last_number("values 3 4") is None
+    assert last_number("in 2023 100 people") is None  # a first group of four: two numbers
+    assert last_number("x = 10 20 300") is None and last_number("the pair (3, 4)") == "4"
     res = MathReward(last_number_weight=0.5).score(
         ["the answer is 5 000", "the answer is 5 000", "so 1 234 567 ways", "so 1 234 567 ways", "(3, 400)"],
         ["5000", "0", "1234567", "567", "400"],

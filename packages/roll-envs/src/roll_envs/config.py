@@ -59,6 +59,19 @@ def _check_data_file(path: str | None) -> None:
         DATASETS.require()
 
 
+def _check_split_keys(env: Any) -> None:
+    """env.split / env.eval_split of a task whose rows may come from a datasets folder (roll_envs.tasks.
+    _datasets_folder): a split's name or null; env.eval_split only with env.eval_path and env.split only with
+    env.path (each would be ignored unsaid)."""
+    for key in ("split", "eval_split"):
+        value = getattr(env, key)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ValueError(f"env.{key}={value!r} must name a split of the datasets folder (or be null)")
+    for key, of in (("eval_split", "eval_path"), ("split", "path")):
+        if getattr(env, key) is not None and getattr(env, of) is None:
+            raise ValueError(f"env.{key}={getattr(env, key)!r} names a split of env.{of}, which is not set")
+
+
 def _check_split(env: Any, *, train_size: int | None = None) -> None:
     """Sizes and the held-out fraction of a single-turn task, named by their config keys: a negative eval_size
     would slice the held-out list from its end (silently one problem short), an empty training set fails later."""
@@ -339,12 +352,7 @@ class FileEnvConfig:
     def __post_init__(self) -> None:
         _check_split(self)
         self.reward = reward_node(self.reward, MathRewardConfig)
-        for key in ("split", "eval_split"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"env.{key}={value!r} must name a split of the datasets folder (or be null)")
-        if self.eval_split is not None and self.eval_path is None:
-            raise ValueError(f"env.eval_split={self.eval_split!r} names a split of env.eval_path, which is not set")
+        _check_split_keys(self)
 
     def check_installed(self) -> None:
         _check_data_file(self.path)
@@ -364,6 +372,11 @@ class CodeEnvConfig:
     prompt_key: str = "prompt"
     # Column of the tests: [{"input": ..., "output": ...}], {"inputs": [...], "outputs": [...]} or JSON of either.
     tests_key: str = "tests"
+    # Split of a datasets folder `path` to train on; null: its only split, or `train` (several splits and none
+    # `train`: an error naming them).
+    split: str | None = None
+    # Split of a datasets folder `eval_path` to hold out; null: its only split, or the one beside `train`.
+    eval_split: str | None = None
     # Built-in: seeded parameter draws per template (24 templates).
     variants: int = 2
     # Built-in: tests per problem (the first is shown in the prompt as the example).
@@ -384,6 +397,7 @@ class CodeEnvConfig:
 
     def __post_init__(self) -> None:
         self.reward = reward_node(self.reward, CodeRewardConfig)
+        _check_split_keys(self)
 
     def check_installed(self) -> None:
         _check_data_file(self.path)

@@ -21,7 +21,8 @@ loopback: each episode failed with a connection error).
 
 Task rows (each a JSON object handed to the program as it is) come from a data file (`env.path`: JSONL/JSON lines,
 Parquet, a datasets folder) or a generator (`env.generator=module:function`, called with `env.generator_kwargs`,
-returning a list of dicts). The held-out rows are `env.eval_path`'s, else a stable-hash fraction of the rows
+returning a list of dicts); a datasets folder's split is chosen as env=file chooses it (`env.split`, `env.eval_split`:
+roll_envs.tasks._datasets_folder). The held-out rows are `env.eval_path`'s, else a stable-hash fraction of the rows
 (`env.eval_fraction`, at most `env.eval_size`); a training row that is a held-out row but for whitespace in its
 strings is left out of training, counted (`also_held_out`) and logged, as env=file does (`split_rows`). Limits:
 turns, tokens per turn, context, and the episode's wall time (`episode_timeout_s`); what happens on history rewrites
@@ -69,6 +70,11 @@ class OpenAIAgentEnvConfig:
     generator_kwargs: dict[str, Any] = field(default_factory=dict)
     # Held-out rows; null: a stable-hash fraction of the rows.
     eval_path: str | None = None
+    # Split of a datasets folder `path` to train on; null: its only split, or `train` (several splits and none
+    # `train`: an error naming them).
+    split: str | None = None
+    # Split of a datasets folder `eval_path` to hold out; null: its only split, or the one beside `train`.
+    eval_split: str | None = None
     eval_fraction: float = 0.2
     eval_size: int = 32
     # Assistant turns (requests) per episode at most.
@@ -113,6 +119,9 @@ class OpenAIAgentEnvConfig:
             raise ValueError(f"env.on_failure={self.on_failure!r} must be score or drop")
         if self.eval_size < 0 or not 0 <= self.eval_fraction < 1:
             raise ValueError("env.eval_size must be >= 0 and env.eval_fraction in [0, 1)")
+        from roll_envs.config import _check_split_keys
+
+        _check_split_keys(self)
 
     def check_installed(self) -> None:
         from roll_core.agentic.openai_server import AIOHTTP
@@ -184,6 +193,8 @@ class OpenAIAgentTask:
         api_key: str = "roll",
         model_name: str = "roll",
         chat_template_kwargs: dict[str, Any] | None = None,
+        split: str | None = None,
+        eval_split: str | None = None,
     ) -> None:
         if not program and not command:
             raise ConfigError("pipeline=agent needs the agent: env.program=module:function or env.command=[...]")
@@ -213,10 +224,12 @@ class OpenAIAgentTask:
             rows = _load(generator, "env.generator")(**(generator_kwargs or {}))
             source = f"env.generator={generator}"
         else:
-            rows, source = _file_rows(str(path), "env.path"), f"env.path={path}"
+            rows, source = _file_rows(str(path), "env.path", split, "env.split"), f"env.path={path}"
         if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
             raise ConfigError(f"{source} must give a non-empty list of task rows (JSON objects)")
-        held = _file_rows(eval_path, "env.eval_path") if eval_path else None
+        if (split is not None and not path) or (eval_split is not None and not eval_path):
+            raise ConfigError("env.split / env.eval_split name splits of env.path / env.eval_path, which are not set")
+        held = _file_rows(eval_path, "env.eval_path", eval_split, "env.eval_split", held=True) if eval_path else None
         counts: dict[str, int] = {}
         self._train, self._eval = split_rows(
             rows,
@@ -426,12 +439,16 @@ def split_rows(
     return [w.row for w in train], [w.row for w in kept]
 
 
-def _file_rows(path: str, key: str) -> list[dict[str, Any]]:
-    from roll_envs.tasks.dataset import _rows
+def _file_rows(
+    path: str, key: str, split: str | None = None, split_key: str | None = None, *, held: bool = False
+) -> list[dict[str, Any]]:
+    """The rows of `key`'s file or datasets folder (`split`, set by `split_key`, and `held` choose a folder's split
+    as env=file does: roll_envs.tasks._datasets_folder)."""
+    from roll_envs.tasks.dataset import _read_rows
 
     if not Path(path).exists():
         raise ConfigError(f"{key}={path}: no such file or folder")
-    rows, bad = _rows(Path(path))
+    rows, bad, _ = _read_rows(Path(path), split, split_key, held=held)
     if bad:
         raise ConfigError(f"{key}={path}: unreadable rows {bad[:5]}")
     return [r for _, r in rows]

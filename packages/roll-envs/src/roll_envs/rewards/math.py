@@ -12,7 +12,7 @@ Scoring (per response):
 - Quantities (`quantity`): when both the boxed answer and the truth are one number (integer, decimal, `a/b` or
   `\\frac{a}{b}` of integers) with at most a currency sign before it, a percent sign and a unit after it, they
   are compared exactly by value, whatever the spelling (`roll_envs.numeric`: integers exactly, others within
-  1e-9; a decimal number may carry an exponent, `1.5e3`, `1e-5`, or be written `1.5 \\times 10^{3}`; math-verify
+  1e-9; a decimal number may carry an exponent, `1.5e3`, `1e-5`, `3.e5`, or be written `1.5 \\times 10^{3}`; math-verify
   read `1e-5` as Euler's number minus 5, so `1e-05` was wrong against `0.00001` and `e-5` right, and missed
   `6.02 \\times 10^{23}` against 602000000000000000000000, whose float it rounds): `1000 dollars`, `\\$1,000`,
   `1000\\text{ dollars}` and `1000` are one answer (Qwen-math and
@@ -35,8 +35,11 @@ Scoring (per response):
   000 to it, right against 0) and in `last_number` alike (`the answer is 5 000` stated 000 there, `5{,}000` too);
   `3 4`, `1234 567` and `10 20 300` are numbers side by side, never merged; a grouping with an exponent
   (`1 000e5`, as `1,000e5`) is no number: a box holding one is wrong, a truth not judged, no last number; so are
-  other numbers side by side in a box or a truth (`5 00`, `3 4`, `3 1/2`, `1 234,5`: math-verify read them as 5*0,
-  3+4, (3+1)/2, {235, 5}, so `\\boxed{5 00}` was right against 0; `_digit_groups.numbers_side_by_side`). A
+  other numbers side by side in a box or a truth (`5 00`, `3 4`, `3 7/2`, `1 234,5`: math-verify read them as 5*0,
+  3+4, (3+7)/2, {235, 5}, so `\\boxed{5 00}` was right against 0; `_digit_groups.numbers_side_by_side`), and
+  `last_number` states none on their line. A mixed number is its sum everywhere (`3\\frac{1}{2}`, `3\\tfrac12`,
+  `3 1/2` and `-3 1/2` are 3.5 and -3.5, as MATH writes `2\\frac{1}{2}` and math-verify reads it: roll_envs.
+  rewards._mixed; `3 1/2` was refused, `3\\frac{1}{2} cups` wrong against 3.5, `last_number` stated 3). A
   unicode minus (U+2212) is a minus sign. (A product of variables written with a space, `3 abc`, therefore equals
   a truth of plain `3`; against a truth `3abc` it is verified symbolically as before.) A percent (`%`, `\\%`, the
   word `percent`) equals its number or its hundredth (`75\\%` = `75` = `0.75`, as in both conventions; math-verify
@@ -106,7 +109,8 @@ from fractions import Fraction
 from roll_core.isolation import CallTimeout, ChildError, ForkedWorker
 from roll_envs.boxed import extract_boxed
 from roll_envs.numeric import MAX_EXPONENT, fractions_equal, parse_number
-from roll_envs.rewards._digit_groups import grouped_exponents, join_digit_groups, numbers_side_by_side
+from roll_envs.rewards._digit_groups import grouped_exponents, join_digit_groups, numbers_side_by_side, side_by_side_at
+from roll_envs.rewards._mixed import MIXED, mixed_value, plain_as_latex
 from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.rewards.judge import final_text
 
@@ -127,6 +131,8 @@ _UNICODE_MINUS = "\u2212"
 #: number the response states: `last_number` skips it.
 _PART = re.compile(r"[/^_{]$")
 _PART_AFTER = re.compile(r"^(?:/|\}\{|\^)")
+#: The brace-less arguments of a fraction (`\frac12`): parts, not the number 12.
+_FRAC_ARGS = re.compile(r"\\[dtc]?frac\s*\d?$")
 #: A bare decimal exponent before digits (`e5`, `E-3` not after a mantissa: `1 000 then e5`): the digits are no
 #: number the response states (the `e` of a number is `_STATED_NUMBER`'s, never left before its digits).
 _BARE_EXPONENT = re.compile(r"(?<![\w.])[eE][+-]?$")
@@ -146,21 +152,26 @@ def last_number(text: str) -> str | None:
     (`_PART`), nor the digits of a bare exponent (`e5` after no mantissa: `1 000 then e5` gives `1000`, not `5`);
     None when there is none, or when the last one has commas that are no thousands grouping (`1,2345`,
     `1,5`, `1,2,3`: a decimal comma, a typo or a list written without spaces, no one number it surely states).
-    A number with a scale word after it is its value (`5 million` gives `5000000`, `1.5 thousand` `1500`)."""
+    A number with a scale word after it is its value (`5 million` gives `5000000`, `1.5 thousand` `1500`), and so is
+    a mixed number (`3\\frac{1}{2}`, `3 1/2`: `3.5`); None for numbers side by side on one line (`5 00`, `3 4`), as
+    in a box; the digits of a brace-less `\\frac12` are parts, not 12."""
     text = text.replace(_UNICODE_MINUS, "-")
     # `5{,}000`, `5\,000` and `5 000` state 5000 (not 000): separators read as `quantity` reads them
-    text = join_digit_groups(_LATEX_COMMA.sub(",", text))
+    text = plain_as_latex(join_digit_groups(_LATEX_COMMA.sub(",", text)))  # (`3 1/2` as `3\frac{1}{2}`)
     for m in reversed(list(_STATED_NUMBER.finditer(text))):
-        before, after = text[max(0, m.start() - 1) : m.start()], text[m.end() : m.end() + 2]
+        before, after = text[max(0, m.start() - 9) : m.start()], text[m.end() : m.end() + 2]
         if _BARE_EXPONENT.search(text, max(0, m.start() - 3), m.start()):
             continue  # `e5`: an exponent of no number, not the number 5
-        if not (_PART.search(before) or _PART_AFTER.match(after)):
-            if any(s <= m.start() < e for s, e in grouped_exponents(text)):
-                return None  # `1 000e5`: no one number (module docstring), never its `000e5`
+        if not (_PART.search(before) or _PART_AFTER.match(after) or _FRAC_ARGS.search(before)):
+            if any(s <= m.start() < e for s, e in grouped_exponents(text)) or side_by_side_at(text, m.start()):
+                return None  # `1 000e5`, `5 00`: no one number (module docstring), never its `000e5` or `00`
             if "," in m["int"] and not _THOUSANDS.fullmatch(m["int"]):
                 return None
-            number = m.group().replace(",", "")
-            scale = _SCALE.match(text, _SEP.match(text, m.end()).end())
+            number, end = m.group().replace(",", ""), m.end()
+            mixed = MIXED.match(text, m.start("int"))
+            if mixed is not None and mixed.end("whole") == m.end():  # `3\frac{1}{2}` states 7/2, not 3 (`_mixed`)
+                number, end = _value_key((-1 if number[0] == "-" else 1) * mixed_value(mixed)), mixed.end()
+            scale = _SCALE.match(text, _SEP.match(text, end).end())
             if scale is None:
                 return number
             try:  # `5 million` states 5000000, not 5 (module docstring: "Scale words")
@@ -181,11 +192,11 @@ _MAX_QUANTITY_CHARS = 4000
 _VALUE = re.compile(
     r"\\[dtc]?frac\s*(?:\{\s*(?P<fn>-?\d+)\s*\}\s*\{\s*(?P<fd>-?\d+)\s*\}|(?P<fn1>\d)(?P<fd1>\d)(?!\d))"
     r"|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
-    r"|(?P<num>\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][+-]?\d+)?)"
+    r"|(?P<num>\d+(?:,\d{3})*(?:\.\d+|\.(?=[eE][+-]?\d))?(?:[eE][+-]?\d+)?)"
     r"(?:\s*(?:\\times|\\cdot|×)\s*10\s*\^\s*(?:\{\s*(?P<ten>[+-]?\d+)\s*\}|(?P<ten1>\d)))?"
 )
 #: A decimal exponent in a number (`1e-5`): math-verify reads the `e` as Euler's number (`_verify`).
-_E_EXPONENT = re.compile(r"\d[eE][+-]?\d")
+_E_EXPONENT = re.compile(r"\d\.?[eE][+-]?\d")
 #: A sign and a currency sign before the value, in either order (`-\$5`, `\$-5`).
 _LEAD = re.compile(r"(?P<s1>-?)\s*(?:\\\$|\$)?\s*(?P<s2>-?)\s*")
 #: Space between a value and what follows it (plain, LaTeX `\ `, `\,`, `\;`, `\:`, `\!`, `~`).
@@ -268,14 +279,17 @@ def quantity(text: str) -> tuple[Fraction, bool] | None:
         return None
     whole = _WHOLE_TEXT.fullmatch(text.strip())
     text = text if whole is None else whole["body"]
-    t = join_digit_groups(_LATEX_COMMA.sub(",", text.strip().replace(_UNICODE_MINUS, "-")))
+    t = plain_as_latex(join_digit_groups(_LATEX_COMMA.sub(",", text.strip().replace(_UNICODE_MINUS, "-"))))
     lead = _LEAD.match(t)
     if lead is None or (lead["s1"] and lead["s2"]):
         return None
-    m = _VALUE.match(t, lead.end())
+    mixed = MIXED.match(t, lead.end())  # `3\frac{1}{2}`, `3 1/2`: 7/2 (roll_envs.rewards._mixed)
+    m = mixed or _VALUE.match(t, lead.end())
     if m is None:
         return None
-    if m["num"] is not None:
+    if mixed is not None:
+        value = mixed_value(mixed)
+    elif m["num"] is not None:
         try:
             value = parse_number(m["num"])  # (a decimal exponent included)
         except ValueError:  # an exponent beyond numeric.MAX_EXPONENT, or after a thousands separator
@@ -497,6 +511,7 @@ class MathReward(Reward):
         from math_verify.errors import TimeoutException
 
         got, truth = quantity(boxed), quantity(answer)
+        boxed, answer = plain_as_latex(boxed), plain_as_latex(answer)  # `x = 3 1/2` is `x = 3\frac{1}{2}` (7/2)
         if got is not None and truth is not None:
             return same_quantity(got, truth)  # exact, units and currency aside (module docstring)
         if truth is None and grouped_exponents(answer):  # `1 000e5`: math-verify reads 000e5 (module docstring)

@@ -17,6 +17,8 @@ The held-out split is env=file's (base.held_out_split): `eval_path` when given, 
 below `eval_fraction`; either way a training row that is a held-out row's problem but for whitespace in the prompt
 ("Q?" and "Q?\n") is left out of training, counted in `also_held_out` and logged, so a held-out problem is never
 trained on. `eval_path` naming the `path` file itself is an evaluation set (every row both trains and is evaluated).
+A datasets folder's split is chosen as env=file chooses it (env.split / env.eval_split; an `eval_path` folder gives
+its split beside `train`: roll_envs.tasks._datasets_folder).
 
 The ground truth of a problem is `rewards.code.encode_tests(tests)`; the reward is `CodeReward` by default.
 """
@@ -35,7 +37,7 @@ from roll_envs.rewards.base import Reward
 from roll_envs.rewards.code import CodeTest, encode_tests
 from roll_envs.tasks._code_problems import TEMPLATES, param_key, reference_program
 from roll_envs.tasks.base import Problem, Task, eval_file_name, stable_fraction
-from roll_envs.tasks.dataset import _chat_prompt, _not_unicode, _rows, _templated, _text_problem, log_skipped
+from roll_envs.tasks.dataset import _chat_prompt, _not_unicode, _read_rows, _templated, _text_problem, log_skipped
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +81,22 @@ def parse_row_tests(value: Any) -> list[CodeTest]:
 
 
 def load_code_problems(
-    path: str | Path, *, prompt_key: str = "prompt", tests_key: str = "tests", name: str = "code"
+    path: str | Path,
+    *,
+    prompt_key: str = "prompt",
+    tests_key: str = "tests",
+    name: str = "code",
+    split: str | None = None,
+    key: str | None = None,
+    held: bool = False,
 ) -> tuple[list[Problem], list[tuple[int, str]]]:
-    """Read code problems from a file or folder; returns (problems, skipped) with skipped = [(row number, reason)]."""
+    """Read code problems from a file or folder; returns (problems, skipped) with skipped = [(row number, reason)].
+    `split` (set by the config key `key`) and `held` choose a datasets folder's split as env=file does
+    (roll_envs.tasks._datasets_folder; a split other than a lone one or `train` is named in the row ids)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"data file {path} does not exist: check env.path / env.eval_path")
-    rows, skipped = _rows(path)
+    rows, skipped, label = _read_rows(path, split, key, held=held)
     problems = []
     for lineno, row in rows:
         if not isinstance(row, dict):
@@ -107,7 +118,7 @@ def load_code_problems(
             continue
         problems.append(
             Problem(
-                id=f"{name}:{path.name}:{lineno}",
+                id=f"{name}:{path.name}{label}:{lineno}",
                 prompt=prompt,
                 answer=encode_tests(tests),
                 domain="code",
@@ -142,6 +153,8 @@ class CodeTask(Task):
         seed: int = 0,
         instruction: str = INSTRUCTION,
         system_prompt: str | None = None,
+        split: str | None = None,
+        eval_split: str | None = None,
     ) -> None:
         super().__init__(reward)
         if variants < 1 or num_tests < 1 or eval_size < 1:
@@ -152,19 +165,24 @@ class CodeTask(Task):
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
         self.name, self.system_prompt, self.instruction = name, system_prompt, instruction
         self._solutions: dict[str, str] = {}
+        if eval_split is not None and not eval_path:  # (it would be ignored unsaid)
+            raise ConfigError(f"env.eval_split={eval_split!r} names a split of env.eval_path, which is not set")
         if path is None:
-            if eval_path is not None:
-                raise ValueError("eval_path needs path: the built-in problems have their own held-out split")
+            if eval_path is not None or split is not None:
+                what = "eval_path" if eval_path is not None else "split"
+                raise ValueError(f"{what} needs path: the built-in problems have their own held-out split")
             problems = self._builtin(random.Random(seed), variants, num_tests)
             train = [p for p in problems if stable_fraction(p.id.split(":", 1)[1]) >= eval_fraction]
             held = [p for p in problems if stable_fraction(p.id.split(":", 1)[1]) < eval_fraction]
         else:
-            problems, skipped = load_code_problems(path, prompt_key=prompt_key, tests_key=tests_key, name=name)
+            keys = dict(prompt_key=prompt_key, tests_key=tests_key)
+            problems, skipped = load_code_problems(path, name=name, split=split, key="env.split", **keys)
             self.skipped = [(str(path), n, why) for n, why in skipped]
             file_held = None
             if eval_path:
+                held_name = eval_file_name(name, path, eval_path)
                 file_held, eval_skipped = load_code_problems(
-                    eval_path, prompt_key=prompt_key, tests_key=tests_key, name=eval_file_name(name, path, eval_path)
+                    eval_path, name=held_name, split=eval_split, key="env.eval_split", held=True, **keys
                 )
                 self.skipped += [(str(eval_path), n, why) for n, why in eval_skipped]
             # env=file's rule: a training row that is a held-out row's problem but for whitespace in the prompt is

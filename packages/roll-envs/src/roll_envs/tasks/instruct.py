@@ -17,7 +17,8 @@ constraints are missing, of an unknown type or with bad arguments is a ConfigErr
 anything runs.
 The held-out split is env=file's (base.held_out_split): `eval_path`, else a stable-hash fraction of the rows; a
 training row that repeats a held-out row's prompt but for whitespace is left out of training, counted
-(`also_held_out`) and logged.
+(`also_held_out`) and logged. A datasets folder's split is chosen as env=file chooses it (env.split /
+env.eval_split: roll_envs.tasks._datasets_folder).
 
 Every problem has domain "instruct" (a file row's `domain` column wins), `metadata["constraints"]` (the validated
 list; a file row's other columns are kept too) and `answer` = the constraints as JSON, so the ifeval reward scores
@@ -185,11 +186,18 @@ class InstructTask(Task):
         eval_fraction: float = 0.2,
         seed: int = 0,
         system_prompt: str | None = None,
+        split: str | None = None,
+        eval_split: str | None = None,
     ) -> None:
         super().__init__(reward)
         self.name, self.system_prompt = name, system_prompt
+        if (split is not None and path is None) or (eval_split is not None and not eval_path):
+            raise ConfigError(
+                f"env.split={split!r} / env.eval_split={eval_split!r} name splits of env.path / "
+                "env.eval_path (a datasets folder), which are not set"
+            )
         if path is not None:
-            self._load_files(path, eval_path, prompt_key, constraints_key, eval_fraction, eval_size)
+            self._load_files(path, eval_path, prompt_key, constraints_key, eval_fraction, eval_size, split, eval_split)
             return
         _check_types(types, min_constraints, max_constraints)
         self.types, self.min_constraints, self.max_constraints = list(types), min_constraints, max_constraints
@@ -256,14 +264,19 @@ class InstructTask(Task):
         constraints_key: str,
         eval_fraction: float,
         eval_size: int,
+        split: str | None = None,
+        eval_split: str | None = None,
     ) -> None:
         for key, value in (("env.path", path), ("env.eval_path", eval_path)):
             if value and not Path(value).exists():
                 raise ConfigError(f"data file {value} does not exist: check {key}")
-        problems = self._load(path, prompt_key, constraints_key, self.name)
+        problems = self._load(path, prompt_key, constraints_key, self.name, split=split, key="env.split")
         held = None
         if eval_path:
-            held = self._load(eval_path, prompt_key, constraints_key, eval_file_name(self.name, path, eval_path))
+            name = eval_file_name(self.name, path, eval_path)
+            held = self._load(
+                eval_path, prompt_key, constraints_key, name, split=eval_split, key="env.eval_split", held=True
+            )
         # split_held_out keeps the split's counts on the task: the rows left out as held-out rows' whitespace twins
         # were logged while the task's also_held_out stayed 0, as if none were.
         self._train, self._eval = self.split_held_out(
@@ -275,20 +288,31 @@ class InstructTask(Task):
             eval_path=eval_path,
         )
 
-    def _load(self, path: str, prompt_key: str, constraints_key: str, name: str) -> list[Problem]:
-        """Problems of one file (ids `<name>:<file name>:<line>`); unreadable rows and rows without a prompt go to
-        `skipped`."""
+    def _load(
+        self,
+        path: str,
+        prompt_key: str,
+        constraints_key: str,
+        name: str,
+        *,
+        split: str | None = None,
+        key: str | None = None,
+        held: bool = False,
+    ) -> list[Problem]:
+        """Problems of one file (ids `<name>:<file name>:<line>`, a datasets folder's split as env=file names it);
+        unreadable rows and rows without a prompt go to `skipped`. `split` (set by the config key `key`) and `held`
+        choose a datasets folder's split as env=file does (roll_envs.tasks._datasets_folder)."""
         from roll_envs.tasks.dataset import (
             _chat_prompt,
             _metadata_problem,
+            _read_rows,
             _row_domain,
-            _rows,
             _templated,
             _text_problem,
             log_skipped,
         )
 
-        rows, bad = _rows(Path(path))
+        rows, bad, label = _read_rows(Path(path), split, key, held=held)
         # Only JSON text holds a lone surrogate (a `\ud800` escape): Parquet and `datasets` strings are UTF-8. The
         # constraints are checked whatever the file: given as JSON text (a Parquet string column) they hold escapes.
         check_text = not Path(path).is_dir() and Path(path).suffix in (".jsonl", ".json")
@@ -321,7 +345,7 @@ class InstructTask(Task):
                 continue
             problems.append(
                 Problem(
-                    id=f"{name}:{Path(path).name}:{lineno}",
+                    id=f"{name}:{Path(path).name}{label}:{lineno}",
                     prompt=prompt,
                     answer=json.dumps(constraints),
                     domain=domain or "instruct",  # (a null column was the domain "None")
@@ -359,6 +383,11 @@ class InstructEnvConfig:
     eval_path: str | None = None
     prompt_key: str = "prompt"
     constraints_key: str = "constraints"
+    # Split of a datasets folder `path` to train on; null: its only split, or `train` (several splits and none
+    # `train`: an error naming them).
+    split: str | None = None
+    # Split of a datasets folder `eval_path` to hold out; null: its only split, or the one beside `train`.
+    eval_split: str | None = None
     # Generated: constraint types drawn (roll_envs.rewards.ifeval.KINDS), and how many per problem.
     types: list[str] = field(default_factory=lambda: list(DEFAULT_TYPES))
     min_constraints: int = 1
@@ -376,10 +405,11 @@ class InstructEnvConfig:
     reward: Any = MISSING
 
     def __post_init__(self) -> None:
-        from roll_envs.config import _check_split, reward_node
+        from roll_envs.config import _check_split, _check_split_keys, reward_node
         from roll_envs.rewards.ifeval import InstructionRewardConfig
 
         _check_split(self, train_size=self.train_size)
+        _check_split_keys(self)
         _check_types(self.types, self.min_constraints, self.max_constraints)
         self.reward = reward_node(self.reward, InstructionRewardConfig)
 
