@@ -383,7 +383,9 @@ def sample_rows(collector: Any, task: Any, n: int) -> tuple[list[dict[str, Any]]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     cut = frozenset(picture_token_ids(tokenizer)) if processor is not None else frozenset()
     most = cfg.pipeline.max_idle_aborts  # the engine's idle aborts of a row in a row before it is refused
-    gen, refused, resumed = resume_aborted(collector.infer, prompts, gen, params, n, pad, cut, max_idle_aborts=most)
+    gen, refused, resumed = resume_aborted(
+        collector.infer, prompts, gen, params, n, pad, cut, max_idle_aborts=most, tokenizer=tokenizer
+    )
     if resumed:
         log.info("%d response(s) the engine aborted were resumed from their partial output", resumed)
     repeated = prompts.repeat_interleave(n)  # a problem's n responses are contiguous, in sample order

@@ -9,6 +9,7 @@ rounds of different lengths become one batch with the layout of roll_core.protoc
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,24 +76,42 @@ def group_rows(groups: torch.Tensor, group_size: int) -> torch.Tensor:
     return groups.repeat_interleave(group_size).nonzero(as_tuple=True)[0]
 
 
-def generation_from_samples(groups: Sequence[Any], pad_id: int, task: Any = None) -> Batch:
+def generation_from_samples(
+    groups: Sequence[Any], pad_id: int, task: Any = None, tokenizer: Any = None, stop: Sequence[str] = ()
+) -> Batch:
     """A generation from scheduler groups (roll_core.scheduling.scheduler.GroupState, payload = the problem):
     every sample's tokens and behaviour log-probs over all its segments, plus `behaviour_version` (B,) long,
     the oldest weight version any of its tokens was sampled under; the problem fields (`problem_fields`, with the
-    `task`'s prompt messages when given)."""
+    `task`'s prompt messages when given).
+
+    `stop` (the sampling's stop strings, read with `tokenizer`): a sample resumed after an abort (the engine's own, a
+    lost request) is cut at the token that completes a stop string begun before a resume point, finish "stop", as
+    the same sample never aborted ended (no engine saw that string whole; roll_core.agentic.resume_stops)."""
+    from roll_core.agentic.resume_stops import split_stop
+
     samples = [s for g in groups for s in g.samples]
-    width = max((len(s.tokens) for s in samples), default=0)
+    rows = [(s.tokens, s.logprobs, s.finish or "abort", s.min_version) for s in samples]
+    if stop:
+        if tokenizer is None:
+            raise ValueError("generation_from_samples: stop strings need the tokenizer (a split one is cut)")
+        for i, s in enumerate(samples):
+            starts = list(itertools.accumulate(len(seg.tokens) for seg in s.segments))[:-1]  # resume points
+            cuts = (split_stop(tokenizer, s.group.prompt_ids, rows[i][0], b, stop) for b in starts)
+            cut = next((c for c in cuts if c is not None), None)
+            if cut is not None:
+                kept = [seg.version for seg, b in zip(s.segments, [0, *starts]) if b < cut and seg.tokens]
+                rows[i] = (rows[i][0][:cut], rows[i][1][:cut], "stop", min(kept, default=s.min_version))
+    width = max((len(r[0]) for r in rows), default=0)
     n = len(samples)
     resp = torch.full((n, width), pad_id, dtype=torch.long)
     logp = torch.zeros((n, width), dtype=torch.float32)
     mask = torch.zeros((n, width), dtype=torch.long)
-    for i, s in enumerate(samples):
-        toks = s.tokens
+    for i, (toks, lps, _, _) in enumerate(rows):
         if toks:
             resp[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-            logp[i, : len(toks)] = torch.tensor(s.logprobs, dtype=torch.float32)
+            logp[i, : len(toks)] = torch.tensor(lps, dtype=torch.float32)
             mask[i, : len(toks)] = 1
-    finish = [s.finish or "abort" for s in samples]
+    finish = [r[2] for r in rows]
     # A vision-language prompt's pictures ride with each of its rows (one shared object per group).
     pictures = {"mm_inputs": [s.group.mm for s in samples]} if any(s.group.mm is not None for s in samples) else {}
     return Batch(
@@ -101,7 +120,7 @@ def generation_from_samples(groups: Sequence[Any], pad_id: int, task: Any = None
             "behaviour_logprobs": logp,
             "response_mask": mask,
             "truncated": torch.tensor([f == "length" for f in finish], dtype=torch.long),
-            "behaviour_version": torch.tensor([s.min_version for s in samples], dtype=torch.long),
+            "behaviour_version": torch.tensor([r[3] for r in rows], dtype=torch.long),
         },
         {
             "prompt_ids": [list(s.group.prompt_ids) for s in samples],

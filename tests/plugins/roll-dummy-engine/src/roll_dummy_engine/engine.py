@@ -50,8 +50,10 @@ class RecomputeInferEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
         self.device = torch.device(device)
+        # The generation config's EOS ids and the tokenizer's, as the hf engine and vLLM stop on both.
         eos = self.model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [eos])
+        eos = [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]
+        self.eos = {int(e) for e in eos if e is not None}
         self.defaults = SamplingParams(temperature, top_p, top_k, max_new_tokens, tuple(stop))
         self._seeds = torch.Generator().manual_seed(seed)
         self._queue: queue.Queue = queue.Queue()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from roll_core.agentic.resume_stops import split_stop
 from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
 from roll_core.idle_aborts import MAX_IDLE_ABORTS, check_max_idle_aborts, idle_backoff_s
 from roll_core.interfaces import Request, SamplingParams
@@ -36,6 +37,7 @@ def resume_aborted(
     cut_ids: frozenset[int] = frozenset(),
     *,
     max_idle_aborts: int = MAX_IDLE_ABORTS,
+    tokenizer: Any = None,
 ) -> tuple[Batch, list[int], int]:
     """`gen` (a batched generation: `n` rows per prompt of `prompts`) with the rows the engine aborted on its own
     resumed; returns (generation, refused row indices, rows resumed).
@@ -48,7 +50,10 @@ def resume_aborted(
     left the whole budget generated, or a resume whose context the engine cannot hold, is a row cut at its limit
     ("length"); a prefix holding a picture placeholder is not resumed (the response is cut before it anyway:
     roll_core.pipelines.rollout.cut_picture_tokens, and the engine would refuse a placeholder without a picture)
-    and ends "stop"; a constrained row (`params.structured`) is generated again from its prompt (the engine would
+    and ends "stop"; a stop string of `params.stop` that the earlier attempts began and a resume completed (no engine
+    saw it whole: each matches stop strings on its own request's output) cuts the row at its completing token, "stop",
+    where an unaborted row stopped (roll_core.agentic.resume_stops; read with `tokenizer`, which callers with stop
+    strings must give); a constrained row (`params.structured`) is generated again from its prompt (the engine would
     start the constraint over after the prefix). A row aborted `max_idle_aborts` (pipeline.max_idle_aborts) times in
     a row without a token (a constrained row: `max_idle_aborts` times, tokens or not), the batch's own abort
     included, stays "abort" and is returned as refused (logged): the caller drops it (its group), it is not an
@@ -71,6 +76,8 @@ def resume_aborted(
     # The engine's aborts in a row that brought no progress, this one included (a constrained row starts over at
     # every attempt: each of its aborts counts, else one aborted every time after a token would never end).
     restarts = params.structured is not None
+    if params.stop and tokenizer is None:
+        raise ValueError("resume_aborted: stop strings need the tokenizer to find one split across a resume")
     idle = {i: int(restarts or not tokens[i]) for i in todo}
     resumed: set[int] = set()
     refused: list[int] = []
@@ -102,13 +109,21 @@ def resume_aborted(
         todo = []
         for i, handle in handles.items():
             out = handle.result()
+            earlier = len(tokens[i])
             tokens[i] += list(out.token_ids)
             logprobs[i] += list(out.logprobs)
+            prompt = prompts["prompt_ids"][i // n]
             if routing is not None:  # earlier attempts' records where this one has none (a restart: its prompt's)
-                keep = len(prompts["prompt_ids"][i // n]) if restarts else None
-                routing[i] = carry_routing(routing[i], out.routed_experts, keep)
+                routing[i] = carry_routing(routing[i], out.routed_experts, len(prompt) if restarts else None)
             # the engine cannot hold prompt + prefix: the response is cut at the engine's limit
             reasons[i] = "length" if out.finish_reason == "prompt_too_long" else out.finish_reason
+            # a stop string split across the resume point: the row ends where an unaborted one did
+            split = split_stop(tokenizer, prompt, tokens[i], earlier, params.stop) if params.stop else None
+            if split is not None:
+                del tokens[i][split:], logprobs[i][split:]
+                if routing is not None and routing[i] is not None:  # the positions of the cut tokens go too
+                    routing[i] = routing[i][: len(prompt) + split]
+                reasons[i] = "stop"
             if reasons[i] != "abort":
                 continue
             idle[i] = 0 if out.token_ids and not restarts else idle[i] + 1
@@ -154,15 +169,22 @@ class _Resuming:
     logged)."""
 
     def __init__(
-        self, infer: Any, pad_id: int, cut_ids: frozenset[int], max_idle_aborts: int = MAX_IDLE_ABORTS
+        self,
+        infer: Any,
+        pad_id: int,
+        cut_ids: frozenset[int],
+        max_idle_aborts: int = MAX_IDLE_ABORTS,
+        tokenizer: Any = None,
     ) -> None:
         self.infer, self.pad_id, self.cut_ids = infer, pad_id, cut_ids
-        self.max_idle_aborts = max_idle_aborts
+        self.max_idle_aborts, self.tokenizer = max_idle_aborts, tokenizer
 
     def generate(self, prompts: Batch, params: SamplingParams, n: int = 1) -> Batch:
         gen = self.infer.generate(prompts, params, n=n)
-        cut, most = self.cut_ids, self.max_idle_aborts
-        return resume_aborted(self.infer, prompts, gen, params, n, self.pad_id, cut, max_idle_aborts=most)[0]
+        cut, most, tok = self.cut_ids, self.max_idle_aborts, self.tokenizer
+        return resume_aborted(
+            self.infer, prompts, gen, params, n, self.pad_id, cut, max_idle_aborts=most, tokenizer=tok
+        )[0]
 
 
 def resuming(infer: Any, tokenizer: Any, max_idle_aborts: int = MAX_IDLE_ABORTS) -> _Resuming:
@@ -172,4 +194,4 @@ def resuming(infer: Any, tokenizer: Any, max_idle_aborts: int = MAX_IDLE_ABORTS)
     beside training rows from files (pipeline=sft, dpo, distill_offline): they sampled with the bare group, so one
     preemption of a row under load (vLLM's preemption, SGLang's memory pressure) scored it an engine failure."""
     pad = tokenizer.pad_token_id
-    return _Resuming(infer, 0 if pad is None else int(pad), frozenset(), max_idle_aborts)
+    return _Resuming(infer, 0 if pad is None else int(pad), frozenset(), max_idle_aborts, tokenizer)

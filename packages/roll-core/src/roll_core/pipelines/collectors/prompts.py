@@ -180,7 +180,7 @@ class PromptCollector:
             self.reward_model.take_eval_metrics()
         res = evaluate(
             # an engine's own abort is resumed, not scored 0; refused after pipeline.max_idle_aborts idle ones
-            _Resuming(self.infer, self._pad_id, self._cut_ids, self.cfg.pipeline.max_idle_aborts),
+            _Resuming(self.infer, self._pad_id, self._cut_ids, self.cfg.pipeline.max_idle_aborts, self.tokenizer),
             self.scoring,
             self.tokenizer,
             self.task,
@@ -316,6 +316,7 @@ class PromptCollector:
                 self._pad_id,
                 self._cut_ids,
                 max_idle_aborts=self.cfg.pipeline.max_idle_aborts,  # the engine's idle aborts in a row: a refusal
+                tokenizer=self.tokenizer,  # a stop string split across a resume point
             )
         if first:
             self._generated = [0, 0.0]  # the step's response tokens and the engine's seconds, every round

@@ -195,7 +195,8 @@ class AsyncPromptCollector(PromptCollector):
                 tokens += sum(len(s.tokens) for grp in groups for s in grp.samples)
                 if not groups:
                     continue
-                batch = self._assemble(generation_from_samples(groups, pad, self.task), counts)
+                gen = generation_from_samples(groups, pad, self.task, self.tokenizer, self.sampling.stop)
+                batch = self._assemble(gen, counts)
                 scored = self.score(batch, out)
                 keys = ("scores", "correct", "formatted", *(k for k in RM_ROW_TENSORS if k in scored))
                 batch = batch.union(scored.select(*keys))
@@ -236,7 +237,7 @@ class AsyncPromptCollector(PromptCollector):
         if not kept:
             return None
         self._handed = kept
-        batch = self._assemble(generation_from_samples(kept, pad, self.task))
+        batch = self._assemble(generation_from_samples(kept, pad, self.task, self.tokenizer, self.sampling.stop))
         for k in cols[kept[0].gid]:
             batch[k] = torch.cat([cols[grp.gid][k] for grp in kept])
         if self.reward_model is not None:  # normalize=batch: over the whole batch's rows, not each chunk's

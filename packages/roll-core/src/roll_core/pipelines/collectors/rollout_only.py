@@ -245,6 +245,7 @@ class RolloutCollector:
                     0 if pad is None else int(pad),
                     cut,
                     max_idle_aborts=self.cfg.pipeline.max_idle_aborts,
+                    tokenizer=self.tokenizer,
                 )
             repeated = prompts.repeat_interleave(n)
             repeated["sample"] = [i % n for i in range(len(repeated))]
