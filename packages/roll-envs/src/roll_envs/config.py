@@ -458,6 +458,12 @@ class AgenticEnvConfig:
             raise ValueError("env.num_workers must be >= 0")
         if self.demonstrations < 0:
             raise ValueError("env.demonstrations must be >= 0")
+        if isinstance(self.env, str) and self.env != MISSING:
+            # A misspelt env.env_kwargs key, from the constructor's signature: said by `roll-train --cfg job` and a
+            # sweep's pre-check, not only once the run has started Ray and builds the task. Builds nothing.
+            from roll_envs.agentic.task import check_config_env_kwargs
+
+            check_config_env_kwargs(self.env, self.env_kwargs, self.eval_seed_offset)
 
     def check_installed(self) -> None:
         """Adapters of outside environment libraries (roll_envs.agentic.registry.PREFIXES)."""

@@ -5,7 +5,7 @@ option accepts come from where they are implemented (`algo_choices`: installed e
 checked in `__post_init__` with a message that says how to fix the value. A setting that the chosen built-in
 estimator or policy loss never reads (algo.gamma with grpo, algo.ratio_cap with ppo, ...), or that the RL objective
 reads only when a part is on that is off (algo.critic_lr without a critic, algo.kl_horizon without a KL target,
-...), is refused there too.
+algo.kl_in_reward=true with algo.kl_coef=0 outside reinforce_pp's own form, ...), is refused there too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from roll_core.config.checks import one_of, positive, positive_or_null
 
 #: Advantage estimators that compare the responses of one prompt with each other (algo.group_size >= 2).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gigpo")
+#: Estimators whose own form puts the KL in the reward (the reinforce_pp preset sets algo.kl_in_reward=true):
+#: there algo.kl_coef=0 is how that KL is switched off, so kl_in_reward=true with it is not refused, as kl_kind is
+#: not. With reinforce_pp_baseline and gae, kl_in_reward=true is a choice of its own and needs algo.kl_coef > 0.
+KL_IN_REWARD_FORM = ("reinforce_pp",)
 
 
 def algo_choices() -> dict[str, tuple[str, ...]]:
@@ -93,7 +97,8 @@ class AlgoConfig:
     kl_coef: float = 0.0
     # KL estimator: k1 | k2 (= mse) | k3 (= low_var_kl) | abs.
     kl_kind: str = "k3"
-    # Where KL acts: false adds coef*KL to the loss; true subtracts it from the token reward.
+    # Where KL acts: false adds coef*KL to the loss; true subtracts it from the token reward (needs kl_coef > 0,
+    # but with adv_estimator=reinforce_pp, whose preset switches its KL off with kl_coef=0).
     kl_in_reward: bool = False
     # Target KL for the adaptive controller (PPO-style); null keeps kl_coef fixed.
     kl_target: float | None = None
@@ -328,6 +333,12 @@ class AlgoConfig:
                     )
         # algo.kl_kind is not refused with KL off: algo.kl_coef=0 is how a preset's KL (reinforce_pp's k1) is
         # switched off, and refusing the preset's kind there would make that switch an error.
+        if self.kl_in_reward and self.kl_coef == 0 and self.adv_estimator not in KL_IN_REWARD_FORM:
+            raise ValueError(
+                "algo.kl_in_reward=true subtracts algo.kl_coef x KL from the token rewards, but algo.kl_coef=0 "
+                "subtracts nothing (no reference model is even loaded): set algo.kl_coef > 0 (e.g. 0.001) for a KL "
+                "penalty in the reward, or algo.kl_in_reward=false (the default)"
+            )
         if self.kl_horizon != default["kl_horizon"] and self.kl_target is None:  # a fixed coefficient has no horizon
             raise ValueError(
                 f"algo.kl_horizon={self.kl_horizon} is the horizon of the adaptive KL controller; algo.kl_target=null "

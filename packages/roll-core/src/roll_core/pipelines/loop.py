@@ -73,7 +73,7 @@ from roll_core.pipelines.run_control import (
     resolve_run_folder,
     set_aside_newer,
 )
-from roll_core.pipelines.template_kwargs import check_template_kwargs
+from roll_core.pipelines.template_kwargs import check_config_template_kwargs
 from roll_core.pipelines.trainer import Trainer
 from roll_core.pipelines.wiring import build_roles
 from roll_core.run_lock import hold_run_folder
@@ -139,8 +139,9 @@ class Pipeline:
         self.tokenizer = AutoTokenizer.from_pretrained(
             cfg.model.tokenizer or self.model_path, trust_remote_code=cfg.model.trust_remote_code
         )
-        # A key no chat template reads (a misspelt enable_thinking) rendered as undefined, silently ignored.
-        check_template_kwargs(self.tokenizer, cfg.model.chat_template_kwargs, model_path=self.model_path)
+        # A key no chat template reads (a misspelt enable_thinking) rendered as undefined, silently ignored: the
+        # model's (prompts) and those data.chat_template_kwargs adds (the file-fed pipelines' rows).
+        check_config_template_kwargs(self.tokenizer, cfg, model_path=self.model_path)
         self.task = build(cfg.env)
         # Said before any model loads: a task the collector cannot use, an estimator without the batch's form.
         factory.check(cfg, self.task)

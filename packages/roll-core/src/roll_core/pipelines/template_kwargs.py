@@ -1,7 +1,7 @@
-"""Check `model.chat_template_kwargs` against the chat template that will render the prompts.
+"""Check `model.chat_template_kwargs` and `data.chat_template_kwargs` against the chat templates that render with them.
 
-Contract: `check_template_kwargs(tokenizer, kwargs, model_path=...)` looks at every key that no chat template of the
-model reads (Jinja renders an unknown name as undefined, so such a key has no effect on any prompt):
+Contract: `check_template_kwargs(tokenizer, kwargs, model_path=..., where=...)` looks at every key that no chat template
+of the model reads (Jinja renders an unknown name as undefined, so such a key has no effect on any prompt):
 - a likely misspelling of a variable some template reads (difflib ratio >= TYPO_CUTOFF: `enable_thinkng`,
   `enable-thinking`, `max_picture`) is a ConfigError naming `model.chat_template_kwargs.<key>`, the variable it was
   likely meant to be and the variables the templates read. Why: a misspelt switch (`enable_thinkng=false`) composed,
@@ -12,6 +12,13 @@ model reads (Jinja renders an unknown name as undefined, so such a key has no ef
   refused a key the user never wrote. The cutoff sits above different switch names of the same meaning
   (`thinking` 0.70, `clear_thinking` 0.76, `keep_thinking` 0.79 against `enable_thinking`), which warn.
 Keys a template reads pass silently.
+
+`check_config_template_kwargs(tokenizer, cfg, model_path=...)` is what a run calls once its tokenizer is loaded (before
+any row is read or model built): the model's keys as above, then the keys `data.chat_template_kwargs` adds to them
+(RLVRConfig merges the model's into the data's, so a key with the model's value is the model's, checked once) under
+the same rule, named `data.chat_template_kwargs.<key>`, against the tokenizer's templates only (the file-fed
+pipelines render their rows with `tokenizer.apply_chat_template`, roll_core.posttrain.chat_encoder). Why: a misspelt
+data key (`+data.chat_template_kwargs.enable_thinkng=true`) rendered every SFT/DPO row without the switch, unsaid.
 
 The templates checked are the tokenizer's (a string, a dict of named templates, or the older list of
 `{"name", "template"}` entries: a key read by any of them passes) and, for a vision-language folder, the processor's
@@ -127,6 +134,31 @@ def check_template_kwargs(
             reads,
         )
     return unused
+
+
+def data_own_kwargs(model_kwargs: Mapping[str, Any] | None, data_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The keys of `data_kwargs` (data.chat_template_kwargs, into which the model's are merged) that are not the
+    model's: absent from `model_kwargs` or given another value there."""
+    model = dict(model_kwargs or {})
+    return {k: v for k, v in (data_kwargs or {}).items() if k not in model or model[k] != v}
+
+
+def check_config_template_kwargs(tokenizer: Any, cfg: Any, *, model_path: str | None = None) -> list[str]:
+    """Check `cfg.model.chat_template_kwargs` (the prompts: the tokenizer's and the processor's templates) and the
+    keys `cfg.data.chat_template_kwargs` adds (the file-fed rows: the tokenizer's templates), see the module doc.
+
+    Returns the warned keys as `<where>.<key>` (each one had its WARNING line).
+
+    Raises:
+        ConfigError: a key of either is a likely misspelling of a variable the templates read (named with its place).
+    """
+    model_kwargs = getattr(getattr(cfg, "model", None), "chat_template_kwargs", None)
+    where = "model.chat_template_kwargs"
+    warned = [f"{where}.{k}" for k in check_template_kwargs(tokenizer, model_kwargs, model_path=model_path)]
+    data_kwargs = getattr(getattr(cfg, "data", None), "chat_template_kwargs", None)
+    own = data_own_kwargs(model_kwargs, data_kwargs)
+    where = "data.chat_template_kwargs"
+    return warned + [f"{where}.{k}" for k in check_template_kwargs(tokenizer, own, where=where)]
 
 
 def _processor_template(folder: Path) -> str | None:

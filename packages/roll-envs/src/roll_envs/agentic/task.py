@@ -15,6 +15,10 @@ Demonstrations (`demonstrations: N`): N solved episodes, played by the environme
 seeds of their own (counted down from `DEMO_SEED_TOP`), are shown before every episode as earlier user/assistant turns.
 They are part of the prompt (never trained on) and are how a small model learns the action format from one worked
 example, like `env.examples` of the single-turn tasks.
+
+`env.env_kwargs` are checked against the environment's constructor (`check_env_kwargs`: a misspelt key names the
+config key and what is taken) when the task builds an environment, and already when the config is validated
+(`check_config_env_kwargs`, from roll_envs.config: the signature only, nothing built; `py:` classes wait for the run).
 """
 
 from __future__ import annotations
@@ -63,6 +67,38 @@ def check_env_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any], env
             f"env.env_kwargs: {env} needs {', '.join(missing)} (+env.env_kwargs.{missing[0]}=<value>); "
             f"it takes: {takes}"
         )
+
+
+def factory_kwargs(env: str, env_kwargs: Mapping[str, Any], eval_seed_offset: int) -> dict[str, Any]:
+    """The keyword arguments `AgenticTask.make_env` gives the factory of a registered or prefixed `env`:
+    `env_kwargs`, and a dataset-backed (`skyrl:`) environment's `eval_seed_offset` unless given."""
+    kwargs = dict(env_kwargs)
+    if env.startswith("skyrl:"):  # a dataset-backed env: it maps held-out seeds to held-out rows
+        kwargs.setdefault("eval_seed_offset", eval_seed_offset)
+    return kwargs
+
+
+def check_config_env_kwargs(env: str, env_kwargs: Mapping[str, Any], eval_seed_offset: int) -> None:
+    """`check_env_kwargs` at config validation (roll_envs.config.AgenticEnvConfig), from the constructor's signature
+    alone: no environment is built. The factory comes from the `roll.agentic_envs` registry or an adapter prefix
+    (importing the environment's module, as the run does). Left to the run, which names them: a `py:<module>:<Class>`
+    environment (importing the user's own module, with whatever it does on import, is not done to validate a
+    config), and a name that does not resolve (unknown, or its module fails to import).
+
+    Raises:
+        ConfigError: as `check_env_kwargs`.
+    """
+    from roll_core.registry import PluginError
+
+    if env.startswith("py:"):
+        return
+    from roll_envs.agentic.registry import env_factory
+
+    try:
+        factory = env_factory(env)
+    except (ValueError, ImportError, PluginError):
+        return
+    check_env_kwargs(factory, factory_kwargs(env, env_kwargs, eval_seed_offset), env)
 
 
 class AgenticTask:
@@ -180,9 +216,7 @@ class AgenticTask:
             return env_cls(**self.env_kwargs)
         from roll_envs.agentic.registry import env_factory
 
-        kwargs = dict(self.env_kwargs)
-        if self.env.startswith("skyrl:"):  # a dataset-backed env: it maps held-out seeds to held-out rows
-            kwargs.setdefault("eval_seed_offset", self.eval_seed_offset)
+        kwargs = factory_kwargs(self.env, self.env_kwargs, self.eval_seed_offset)
         factory = env_factory(self.env)
         check_env_kwargs(factory, kwargs, self.env)
         return factory(**kwargs)
