@@ -87,11 +87,20 @@ def test_trajectory_batches_refuse_the_normalisation_choices() -> None:
 def test_kl_in_reward_is_refused_for_trajectory_batches_and_kl_target_needs_a_start() -> None:
     """reinforce_pp's trajectory path scores whole episodes: a KL subtracted from token rewards would be dropped
     (no penalty anywhere); an adaptive KL coefficient starting at 0 never moves."""
+    from roll_core.pipelines.objectives.distill import check_algo as check_distill_algo
     from roll_core.pipelines.objectives.rl import RLObjective
 
     cfg = to_object(compose(["algo.adv_estimator=reinforce_pp", "algo.kl_in_reward=true", "algo.kl_coef=0.1"]))
     with pytest.raises(ConfigError, match=r"trajectory batches \(pipeline=agentic\) score whole episodes"):
         RLObjective(cfg, None, trajectories=True)  # type: ignore[arg-type]  (refused before any role is read)
+    # reinforce_pp's preset with its KL switched off (kl_coef=0) drops nothing: accepted on trajectory batches
+    off = to_object(compose(["algo=reinforce_pp", "algo.kl_coef=0"]))
+    assert off.algo.kl_in_reward and not off.algo.use_reference
+    with pytest.raises(AttributeError):  # past the KL check: the (absent) roles are read next
+        RLObjective(off, None, trajectories=True)  # type: ignore[arg-type]
+    check_distill_algo(off)  # the same for distillation's check
+    with pytest.raises(ConfigError, match=r"pipeline=distill: algo\.kl_in_reward=true needs token rewards"):
+        check_distill_algo(cfg)
     with pytest.raises(ConfigError, match=r"algo\.kl_target=0\.05 adapts algo\.kl_coef from its value"):
         to_object(compose(["algo.kl_target=0.05", "algo.kl_coef=0"]))
     to_object(compose(["algo.kl_target=0.05", "algo.kl_coef=0.01"]))

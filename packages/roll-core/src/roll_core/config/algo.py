@@ -367,7 +367,9 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         for key, allowed in algo_choices().items():
             one_of(f"algo.{key}", getattr(self, key), allowed)
-        one_of("algo.lr_schedule", self.lr_schedule, ("constant", "cosine", "linear"))
+        from roll_algos.schedules import LR_SCHEDULES
+
+        one_of("algo.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         self._check_correction()
         self._check_normalisation()
         self._check_critics()

@@ -126,11 +126,12 @@ def check_template_kwargs(
         raise ConfigError("\n".join(typos))
     for key in unused:
         log.warning(
-            "%s.%s: no chat template of this model reads %r, so it has no effect on the prompts (the template "
+            "%s.%s: no chat template of this model reads %r, so it has no effect on the %s (the template "
             "reads: %s)",
             where,
             key,
             key,
+            "rows" if where.startswith("data.") else "prompts",
             reads,
         )
     return unused

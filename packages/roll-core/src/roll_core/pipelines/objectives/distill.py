@@ -200,7 +200,7 @@ def check_algo(cfg: RLVRConfig) -> None:
             f"pipeline=distill: algo.adv_estimator={algo.adv_estimator} trains a critic, but distillation's "
             "advantages are per-token teacher log-ratios: use algo=grpo (the default)"
         )
-    if algo.kl_in_reward:
+    if algo.kl_in_reward and algo.use_reference:  # with KL off (kl_coef=0) nothing would be dropped
         raise ConfigError("pipeline=distill: algo.kl_in_reward=true needs token rewards: use the KL loss instead")
 
 

@@ -46,7 +46,9 @@ class RLObjective:
         algo = cfg.algo
         self.cfg, self.roles = cfg, roles
         self.estimator = load_estimator(algo.adv_estimator, trajectories=trajectories, gamma=algo.gamma)
-        if trajectories and algo.kl_in_reward:  # reinforce_pp's trajectory path reads episode rewards only
+        # reinforce_pp's trajectory path reads episode rewards only; with KL off (kl_coef=0: how reinforce_pp's preset
+        # switches its KL off) nothing would be dropped
+        if trajectories and algo.kl_in_reward and algo.use_reference:
             raise ConfigError(
                 "algo.kl_in_reward=true: trajectory batches (pipeline=agentic) score whole episodes, with no per-token "
                 "rewards to subtract the KL from (it would be dropped): use the KL loss (algo.kl_in_reward=false "
