@@ -45,9 +45,11 @@ Time budget: roll's reward guard gives `score` its `time_budget_s` and cuts the 
 which lost every score of a batch slower than that (hanging programs: rows x timeout_s / parallelism) and rescored
 it row by row, one sandbox at a time, until it gave up on the rest. With the budget, a test starts only when its
 program clock (`timeout_s`) plus a second for the sandbox's start ends before it, so the call returns in time with
-the rows judged so far; the others are `unfinished`. Not bounded by it: a start slower than that second (its own
-clock allows 10 s) and a wait for a sandbox slot held by another concurrent call; the guard's cut-off then
-applies.
+the rows judged so far; the others are `unfinished`, but for a row with a failed test already (fraction mode),
+which is judged, the tests it did not run counting as failed: a program must not dodge its score by using up the
+budget (one that hung on every test had its row `failed`, never trained on as wrong). Not bounded by it: a start
+slower than that second (its own clock allows 10 s) and a wait for a sandbox slot held by another concurrent call;
+the guard's cut-off then applies.
 
 Covers: stdin/stdout programs in the interpreter's standard library, floating-point answers (`float_tolerance`).
 Does not cover: function-call tests, special judges (several right outputs), ~~~ fences, third-party packages
@@ -304,7 +306,7 @@ class CodeReward(Reward):
         self, response: str, answer: str, deadline: float | None = None
     ) -> tuple[float, bool, bool, set[str]]:
         """(score, all passed, has code, counter kinds) of one response; `unfinished` when a test would not end
-        before `deadline` (a monotonic time)."""
+        before `deadline` (a monotonic time) and none has failed yet (module docstring)."""
         answer_text = final_text(response) if isinstance(response, str) else None  # after the reasoning
         code = extract_code(answer_text) if answer_text is not None else None
         if code is None:
@@ -333,7 +335,11 @@ class CodeReward(Reward):
         limits = self.sandbox.limits
         for test in tests:
             if deadline is not None and time.monotonic() + _START_ALLOWANCE_S + limits.timeout_s > deadline:
-                return bonus, False, True, {"unfinished"}  # the caller's time, not the program's, ran out
+                if not kinds:  # every test so far passed: the caller's time, not the program's, ran out
+                    return bonus, False, True, {"unfinished"}
+                # A test failed already (fraction mode): judged, the tests not run count as failed. Unjudged, a
+                # program that hangs on every test dodged its score: its row was `failed`, never trained as wrong.
+                break
             res = self._run(code, test.input)
             if res.status == OK and outputs_match(res.stdout, test.output, self.float_tolerance):
                 passed += 1

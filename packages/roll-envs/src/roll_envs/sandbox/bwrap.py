@@ -13,7 +13,9 @@ Contract of the command line (`bwrap_argv`):
   read-only `/dev` (`_dev_args`: null, zero, full, random, urandom and the fd links; no pseudo-terminals); `/sys`
   holds only `devices/system/cpu/online`, the run's CPU count, not the host's (`cpus_online_fd`). Nothing
   else of the host exists inside: not `/home`, `/root`, `/work`, the host's `/tmp`, the rest of `/etc`, nor run
-  outputs.
+  outputs. An interpreter prefix that is (or holds) the home folder or holds credentials (`exposed_secrets`: a
+  Python built with `--prefix=$HOME`, or installed in a project folder beside its `.env`) is refused
+  by the runner: it would show them to every program.
 - Identity: without root, a new user namespace (`--unshare-user`, nested ones disabled), no capabilities, and
   the program as the PID namespace's init (`--as-pid-1`: no bwrap helper of the same uid inside that the program
   could trace). As root (containers), no user namespace: bwrap keeps only CAP_SETUID and CAP_SETGID so that
@@ -41,12 +43,30 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 MIN_VERSION = (0, 8, 0)
 # Folders the dynamic loader and the interpreter's shared libraries live in (bound read-only when present).
 SYSTEM_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin")
+# Credentials a folder bound into the sandbox must not hold (`exposed_secrets`): ssh keys, netrc (wandb and hub
+# logins), cloud and registry credentials, an environment file of API keys, the HF token's cache.
+CREDENTIALS = (
+    ".ssh",
+    ".netrc",
+    ".aws",
+    ".azure",
+    ".docker",
+    ".kube",
+    ".gnupg",
+    ".git-credentials",
+    ".pypirc",
+    ".env",
+    ".cache/huggingface",
+    ".huggingface",
+    ".config/gcloud",
+)
 # Mount points of the sandbox itself: a prefix below them would be hidden or exposed by them.
 _SANDBOX_PATHS = ("/tmp", "/proc", "/dev")
 # Device nodes of the sandbox's /dev, bound from the host's (bwrap's `--dev` binds the same ones).
@@ -144,6 +164,20 @@ def interpreter(python: str | None = None) -> Interpreter:
                 " under its own prefix (env.reward.python)"
             )
     return Interpreter(executable=exe, folders=tuple(folders), version=version)
+
+
+def exposed_secrets(folders: Sequence[str]) -> list[str]:
+    """What binding `folders` read-only would show a program that it must never read: the user's home folder (a
+    folder that is it or holds it) and credential files or folders directly inside a folder (`CREDENTIALS`: a
+    Python built with `--prefix=$HOME`, or installed in a project folder beside its `.env`)."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    found = []
+    for folder in folders:
+        real = os.path.realpath(folder)
+        if home != "/" and (home == real or home.startswith(real.rstrip("/") + "/")):
+            found.append(f"{folder} holds the home folder {home}")
+        found += [os.path.join(folder, name) for name in CREDENTIALS if os.path.lexists(os.path.join(folder, name))]
+    return found
 
 
 def _outermost(paths: list[str]) -> list[str]:

@@ -17,6 +17,8 @@ Contract:
   process cap: the kernel never enforces RLIMIT_NPROC for uid 0), and it gets a parent-death signal, so a roll
   killed with SIGKILL does not leave it running (bwrap's `--die-with-parent` does that for sandboxed runs).
   `make_sandbox` is that choice (bwrap where it works, else the fallback where allowed) in one call.
+- The sandbox shows the interpreter's folders to every program: an interpreter whose prefix is (or holds) the home
+  folder or holds credentials (`bwrap.exposed_secrets`) is a ValueError, never a reason to fall back.
 - bwrap itself starts with `BWRAP_ENV`, none of the trainer's environment: no process of a run holds its secrets.
 - Sandboxed programs run under a seccomp filter (roll_envs.sandbox.seccomp; x86-64 and aarch64: elsewhere a
   warning says runs go without one) that refuses tracing, namespaces (unshare, setns, clone with a namespace flag),
@@ -142,6 +144,13 @@ class PythonSandbox:
                 self._bwrap_path = _bwrap.find_bwrap(self.bwrap)
             except FileNotFoundError as exc:
                 raise SandboxUnavailableError(f"the code sandbox needs bubblewrap: {exc}. {_INSTALL_HINT}") from exc
+            exposed = _bwrap.exposed_secrets(self._interp.folders)
+            if exposed:  # a configuration error, not a missing sandbox: never a reason to run unsandboxed
+                raise ValueError(
+                    f"the sandbox's interpreter {self._interp.executable} lives in a folder that would show model "
+                    f"programs secrets ({'; '.join(exposed)}): use a Python installed under its own prefix "
+                    "(env.reward.python), e.g. a virtual environment in a folder of its own"
+                )
         # Warns (once per process) where no run cgroup can be made: run_memory_mb then holds nowhere.
         cgroup_available()
         self.check()
