@@ -26,13 +26,20 @@ template puts before it: Llama 2 renders " </s>", the model samples "</s>" right
 continuation starts after it; otherwise (a response cut off at `max_new_tokens`, stopped by a stop string, stopped
 on an eos the template does not use as its turn end, or an engine that drops the stop token) the continuation
 carries the template's whole closing, end-of-turn token included, so the next turn's context is the template's;
-those ids are observation ids (loss mask 0). `turn_end_ids` are the tokenizer's eos ids plus the template's
-end-of-turn token when it is a special token (Gemma 3 ends turns with `<end_of_turn>` while its tokenizer's eos is
-`<eos>`): `stop_token_ids` lists the latter for SamplingParams, so that an engine whose model config lacks them
-still stops. A template's alternative end of turn (`ALT_TURN_ENDS`: Llama 3.1+ ends a turn that calls a built-in
-tool with `<|eom_id|>` where its template otherwise writes `<|eot_id|>`) is a turn end and a stop token too, when the
-tokenizer has it as a special token: a sampled one takes the place of the closing's end-of-turn token (the turn
-ends as the template renders such a turn), where it used to be followed by a second, `<|eot_id|>`, end.
+those ids are observation ids (loss mask 0). A sampled special token the closing starts with is such an end too,
+whichever list made the engine stop on it: the model's generation config (hf, vLLM and SGLang stop on its eos ids
+as well as the tokenizer's; GLM-4 lists `<|user|>` and `<|observation|>`, the tokens its template opens the next
+user and tool turns with) or `stop_token_ids`. The closing then goes on after it, as a template renders the turn;
+given whole it wrote that token twice (`<|observation|><|observation|>`), a context no template renders. An eos the
+closing does not start with (Qwen2.5's `<|endoftext|>`, its generation config's second eos; Gemma 3's `<eos>`) is
+kept, as sampled and trained, and followed by the whole closing. `turn_end_ids` are the tokenizer's eos ids plus
+the template's end-of-turn token when it is a special token (Gemma 3 ends turns with `<end_of_turn>` while its
+tokenizer's eos is `<eos>`): `stop_token_ids` lists the latter for SamplingParams, so that an engine whose model
+config lacks them still stops. A template's alternative end of turn (`ALT_TURN_ENDS`: Llama 3.1+ ends a turn
+that calls a built-in tool with `<|eom_id|>` where its template otherwise writes `<|eot_id|>`) is a turn end and a
+stop token too, when the tokenizer has it as a special token: a sampled one takes the place of the closing's
+end-of-turn token (the turn ends as the template renders such a turn), where it used to be followed by a second,
+`<|eot_id|>`, end.
 
 Tokenising the new text. Only the text between turns is encoded, never the sampled ids, and it is encoded as it
 follows the conversation (`encode_after` the template's rendering before it, the placeholder turn and the sampled
@@ -121,6 +128,10 @@ class TurnTemplate:
         eos = tokenizer.eos_token_id
         self.eos_ids: set[int] = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self._special_ids: frozenset[int] = frozenset(
+            {int(i) for i in tokenizer.all_special_ids} | {int(i) for i, t in added.items() if getattr(t, "special", 0)}
+        )
         try:
             before, after = self._after_assistant([{"role": "user", "content": _USER}], None)
         except ValueError as exc:
@@ -169,10 +180,7 @@ class TurnTemplate:
         return texts
 
     def _is_special(self, token_id: int) -> bool:
-        if token_id in set(self.tokenizer.all_special_ids):
-            return True
-        added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(token_id)
-        return bool(added is not None and getattr(added, "special", False))
+        return token_id in self._special_ids
 
     def _after_assistant(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[str, str]:
         """(before, after): the text a template renders up to the end of an assistant turn's content (a
@@ -255,17 +263,18 @@ class TurnTemplate:
         """Ids appended after a sampled assistant turn (kept as sampled): the rest of that turn's closing the model
         did not generate, then `messages` (user / tool / system, several at once), then the next generation header.
 
-        `response_ids` are the sampled ids: when they end with a turn-end token (see the module docstring) that
-        the closing starts with (after whitespace), the closing continues after it; otherwise the whole closing is
-        added. Without `response_ids` the turn is taken to have ended on the template's end-of-turn token (the
-        usual stop).
+        `response_ids` are the sampled ids: when they end with a turn-end token or another special token (an eos of
+        the model's generation config, see the module docstring) that the closing starts with (after whitespace),
+        the closing continues after it; otherwise the whole closing is added. Without `response_ids` the turn is
+        taken to have ended on the template's end-of-turn token (the usual stop).
 
         The ids are those of the new text as it follows the conversation (`encode_after`, see the module doc); a
         special token spelt in the messages' content is encoded as text (module docstring: untrusted text)."""
         before, after = self._after_assistant([self.special_text.mark_message(m) for m in messages], tools)
         if response_ids is None:
             sampled_end = self._turn_end_text
-        elif response_ids and int(response_ids[-1]) in self.turn_end_ids:
+        elif response_ids and (int(response_ids[-1]) in self.turn_end_ids or self._is_special(int(response_ids[-1]))):
+            # (a special token the engine stopped on: the generation config's eos ids, stop_token_ids)
             sampled_end = self.tokenizer.decode([int(response_ids[-1])])
         else:
             sampled_end = ""

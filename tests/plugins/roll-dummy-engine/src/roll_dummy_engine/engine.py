@@ -84,6 +84,16 @@ class RecomputeInferEngine:
         seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         gen = torch.Generator().manual_seed(seed)
         ids, tokens, logps, reason = list(req.prompt_ids), [], [], "length"
+        # Stop strings are matched on the response as it reads after the prompt (a few of its tokens decoded as
+        # context, then cut off), as the hf engine and vLLM match: decoded alone, a SentencePiece response loses
+        # the leading space of its first word (" Human:" read "Human:"), and a stop string " Human:" never matched.
+        context = list(req.prompt_ids[-4:])
+        head = self.tokenizer.decode(context)
+
+        def after_prompt(toks: list[int]) -> str:
+            text = self.tokenizer.decode(context + toks)
+            return text[len(head) :] if text.startswith(head) else self.tokenizer.decode(toks)
+
         while len(tokens) < p.max_new_tokens and len(ids) < self.max_context_length:
             if req.request_id in self._aborted:
                 reason = "abort"
@@ -103,11 +113,11 @@ class RecomputeInferEngine:
             tokens.append(tok)
             logps.append(float(lp[tok]))
             ids.append(tok)
-            text = self.tokenizer.decode(tokens)
+            text = after_prompt(tokens) if p.stop else ""
             if (
                 (not p.ignore_eos and tok in self.eos)
                 or tok in p.stop_token_ids
-                or any(s in text and s not in self.tokenizer.decode(tokens[:-1]) for s in p.stop)
+                or any(s in text and s not in after_prompt(tokens[:-1]) for s in p.stop)
             ):
                 reason = "stop"
                 break
