@@ -58,6 +58,7 @@ class HFWeightsAndCheckpoints:
     name: str
     role: str
     _trust_remote_code: bool
+    loaded_use_cache: bool | None  # the loaded config's use_cache (the engine's `_load`)
 
     def iter_weights(self, changed_only: bool = False) -> Iterator[tuple[str, Tensor]]:
         """(name, full tensor) for weight sync, in a fixed order; tied parameters once (under their first name).
@@ -149,10 +150,11 @@ class HFWeightsAndCheckpoints:
 
     def _write_model(self, folder: Path, tokenizer_path: str | None) -> None:
         """`model/` (LoRA: `adapter/` too) with the tokenizer and processor (collective on sharded engines)."""
-        if self.lora:
-            self._save_lora(folder)
-        else:
-            self._save_model(folder / "model")
+        with _config_as_loaded(self.model, self.loaded_use_cache):
+            if self.lora:
+                self._save_lora(folder)
+            else:
+                self._save_model(folder / "model")
         if self.dp_rank == 0:
             from transformers import AutoTokenizer
 
@@ -293,6 +295,29 @@ def _read_engine_state(folder: Path) -> dict[str, Any]:
     if not (folder / "optimizer").is_dir():
         raise FileNotFoundError(f"{folder} has no optimizer checkpoint (optimizer/): it is a weights-only folder")
     return torch.load(folder / "engine.pt", map_location="cpu", weights_only=True)
+
+
+@contextlib.contextmanager
+def _config_as_loaded(model: torch.nn.Module, use_cache: bool | None) -> Iterator[None]:
+    """`model.config.use_cache` as the loaded checkpoint had it (`use_cache`; None: it had none, as a
+    vision-language config, whose text config holds it) while the body saves the model, back to the engine's False
+    after it. The engine turns the KV cache off for its training forwards (roll_engines.train.hf `_load`): saved as
+    it was, every checkpoint's config.json said `use_cache: false` (a vision-language model's gained the key), so a
+    plain `model(ids)` on the exported folder returned no cache where the base model's returned one (a hand-written
+    decoding loop recomputed the whole prefix at every token)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        yield
+        return
+    if use_cache is None:
+        if "use_cache" in vars(config):
+            delattr(config, "use_cache")
+    else:
+        config.use_cache = use_cache
+    try:
+        yield
+    finally:
+        config.use_cache = False
 
 
 @contextlib.contextmanager

@@ -27,12 +27,15 @@ Contract:
 - Picture size: `Vision.of(path, min_pixels, max_pixels)` keeps the run's bounds (model.image_*_pixels; checked
   against the folder's image processor at once, a ValueError for bounds that cannot apply) and `save_processor`
   writes the checkpoint's image processor with them, so `roll eval`, transformers and vLLM on the checkpoint
-  resize pictures to the grid the run trained on. The trainer itself runs no image processor: each row's
+  resize pictures to the grid the run trained on, and the processor chat template the run rendered prompts with
+  (`keep_processor_template`). The trainer itself runs no image processor: each row's
   `MMInputs` holds the tensors the prompt builder made.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,7 +291,33 @@ def save_processor(vision: Vision | None, path: str, folder: Path, trust_remote_
         return
     processor = load_image_processor(path, vision.min_pixels, vision.max_pixels, trust_remote_code)
     processor.save_pretrained(folder)
-    for name in ("chat_template.jinja", "chat_template.json"):
-        src = Path(path) / name
-        if src.is_file() and not (folder / name).exists():
-            (folder / name).write_bytes(src.read_bytes())
+    keep_processor_template(Path(path), folder, trust_remote_code)
+
+
+def keep_processor_template(source: Path, folder: Path, trust_remote_code: bool = False) -> None:
+    """Make the checkpoint `folder` (its tokenizer already saved) render prompts with the template the run rendered
+    them with: `source`'s processor template (roll_core.multimodal.processor reads `chat_template.jinja`, then
+    `chat_template.json`), falling back to the tokenizer's, which the saved tokenizer carries.
+
+    A hub folder in the legacy layout keeps the processor's template in `chat_template.json` and the tokenizer's in
+    `tokenizer_config.json`; transformers 5 saves the tokenizer's as `chat_template.jinja`, which roll reads first:
+    where the two templates differed, `roll-eval` on the checkpoint rendered every prompt with the tokenizer's
+    template, not the one the run trained on. The tokenizer's template then goes back into `tokenizer_config.json`
+    (where the tokenizer reads it when the folder has no `chat_template.jinja`) and the processor's into
+    `chat_template.json`, the source's layout, which roll and transformers' processors read alike."""
+    from roll_core.multimodal.processor import _processor_template
+
+    template = _processor_template(source)
+    if template is None:
+        return
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        if jinja.read_text(encoding="utf-8") == template:
+            return
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        jinja.unlink()
+        shutil.rmtree(folder / "additional_chat_templates", ignore_errors=True)
+        tokenizer.save_pretrained(folder, save_jinja_files=False)
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2) + "\n")

@@ -222,6 +222,8 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         if self.role == "critic":
             kwargs["num_labels"] = 1
         model = self._instantiate(V.model_class(self.vision, self.role), kwargs)
+        # Training forwards keep no KV cache; checkpoints write the model's own setting back (_hf_checkpoint).
+        self.loaded_use_cache = getattr(model.config, "use_cache", None)  # (None: a VLM's keeps it in text_config)
         model.config.use_cache = False
         # No dropout anywhere (as peers do): the log-probs and values a step trains on must be the ones the
         # scoring passes computed in eval mode (a token-classification head brings dropout 0.1 by default; an
