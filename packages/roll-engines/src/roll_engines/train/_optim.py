@@ -4,7 +4,8 @@ name, sharded by rank, resharded on load: a run saved on N ranks resumes on M ra
 optimizer that has not stepped yet leaves its next update unchanged (and so does resuming from that checkpoint).
 A load is a read (`read_optimizer`: a failure leaves the optimizer as it was) and then a write (`write_optimizer`,
 under `written_or_reset`: a failure puts a fresh optimizer back to fresh, and tells a stepped one that its state
-is inconsistent and must be loaded again)."""
+is inconsistent and must be loaded again). Every trained parameter takes every step, one the backward missed with a
+zero gradient (`stepped_params`), as under FSDP2 and Megatron."""
 
 from __future__ import annotations
 
@@ -56,6 +57,23 @@ def param_groups(
             (skip if no_decay(name, p) else decay).append(p)
     rates = (weight_decay, weight_decay if decay_norms_and_biases else 0.0)
     return [{"params": ps, "weight_decay": wd} for ps, wd in zip((decay, skip), rates) if ps]
+
+
+def stepped_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter `optimizer` trains (a tied one once), each given a zero gradient where the step's backward
+    never reached it (a vision-language model's vision tower in a step without pictures, an MoE expert no token
+    was routed to), for the gradient clipping and the step that follow.
+
+    torch's AdamW skips a parameter whose gradient is None: no weight decay, no momentum, no step count. FSDP2's
+    reduce-scatter hands such a parameter zeros (the fsdp2 engine asks it to for vision models) and Megatron's
+    gradient buffers always hold one, so there AdamW decays it and its moments carry on; the hf engine alone left
+    it untouched, and a text-only step of a vision-language model at weight decay 0.1 moved the vision tower by
+    up to 8.5e-5 on fsdp2 and not at all on hf. With the zeros every engine steps every trained parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return params
 
 
 def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:

@@ -76,7 +76,7 @@ from roll_engines.train._micro import (
     rank_counts,
 )
 from roll_engines.train._micro import padding_row as _padding_row
-from roll_engines.train._optim import adamw_kernel, lr_lambda, optimizer_state_mb, param_groups
+from roll_engines.train._optim import adamw_kernel, lr_lambda, optimizer_state_mb, param_groups, stepped_params
 from roll_engines.train._packing import pack, packed_forward, prompt_order, unsupported_reason
 from roll_engines.train._precision import engine_dtypes, mirror_autocast
 from roll_engines.train._routing import RoutingReplay
@@ -569,7 +569,7 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
         schedule does not advance for a skipped step. With a scaler, a non-finite norm from finite losses on every
         rank is the scaled gradient overflowing: the scaler lowers its scale and the next step tries again."""
         loss_finite, self._loss_finite = self._loss_finite, True  # (for the next mini-batch)
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = stepped_params(self.optimizer)  # (zeros where the backward missed one, as fsdp2/megatron hold)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
         if self.max_grad_norm > 0:
