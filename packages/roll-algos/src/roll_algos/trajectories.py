@@ -28,6 +28,10 @@ Conventions:
 - Rewards (and returns) that take part must be finite: a NaN or inf at a present trajectory or a valid turn is a
   ValueError naming its position, as in `roll_algos.advantages` (a NaN passed every min < max spread test, so its
   group, or the whole batch for REINFORCE++, got advantage 0 without a word; an inf gave NaN advantages).
+- An episode cut short (truncated by its environment, or stopped at a turn or context limit) is scored by the
+  rewards it got: its last turn's return is its last reward, nothing is estimated beyond the cut (these estimators
+  have no critic to bootstrap from; GAE, which has, is refused for trajectory batches by roll_core.algorithms).
+  How episodes ended is logged per step (roll_core's episode/end_<reason> metrics).
 - Pure functions, tensors in and out, no gradient tracking assumed (callers pass detached rewards).
 
 `check_trajectory_batch` validates the whole layout strictly (turn ids >= 0 exactly where the mask is 1, and so on);

@@ -13,7 +13,9 @@ takes.
 - `checked_info(info, env)`: the info as a dict (None is {}). Anything but a Mapping or None is a ValueError: the
   env manager's `dict(info or {})` read a list of pairs as an info and 0, "" or False as {}. Its "success" and
   "invalid_action" are flags (`checked_flag(..., real=True)`, None read as absent): the rollout's `bool()` read
-  the string "False" as a success.
+  the string "False" as a success. Its "state" of None is absent (the rollout then keys the anchor state by the
+  observation, roll_core.agentic.observation.state_key): read as the text "None", it gave every state of an
+  environment that does not track one the same GiGPO anchor key, and every turn of a group one step group.
 - `checked_reward(value, env)`: a finite real number, as a float. `float()` read the string "1.0" as a reward, and
   NaN or None failed later, far from the environment that returned it.
 - `checked_flag(value, name, env)`: a bool, 0/1 or a NumPy bool (`real=True`: also 0.0/1.0, Gymnasium's float
@@ -85,8 +87,9 @@ def checked_flag(value: Any, name: str, env: str | None = None, *, real: bool = 
 
 
 def checked_info(info: Any, env: str | None = None) -> dict[str, Any]:
-    """A reset's or step's info as a (new) dict, its `INFO_FLAGS` as bools; ValueError (naming `env`) for an info
-    that is not a Mapping or None, or a flag that is not a bool or 0/1 (None is kept: read as absent)."""
+    """A reset's or step's info as a (new) dict, its `INFO_FLAGS` as bools and a "state" of None left out (read as
+    absent, as the module docstring says); ValueError (naming `env`) for an info that is not a Mapping or None, or a
+    flag that is not a bool or 0/1 (None is kept: read as absent)."""
     if info is not None and not isinstance(info, Mapping):
         raise ValueError(
             f"{_where(env)}its info is {type(info).__name__} {info!r:.80}; it must be a dict (a Mapping) or None"
@@ -95,6 +98,8 @@ def checked_info(info: Any, env: str | None = None) -> dict[str, Any]:
     for key in INFO_FLAGS:
         if out.get(key) is not None:
             out[key] = checked_flag(out[key], f'info["{key}"]', env, real=True)
+    if "state" in out and out["state"] is None:
+        del out["state"]
     return out
 
 
