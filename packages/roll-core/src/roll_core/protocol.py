@@ -50,6 +50,10 @@ class Batch:
         if len(sizes) > 1:
             raise ValueError(f"batch entries disagree on the number of rows: {detail}")
         n = sizes.pop() if sizes else 0
+        if isinstance(tensors, TensorDict) and not tensors.batch_dims:
+            # A TensorDict without a batch dimension cannot be indexed by row; Ray's round trip gave it [n] while the
+            # local backend kept it and failed: both backends now get the row dimension here.
+            tensors = TensorDict(dict(tensors.items()), batch_size=[n], device=tensors.device)
         self.td = tensors if isinstance(tensors, TensorDict) else TensorDict(dict(tensors), batch_size=[n])
         self.fields: dict[str, list[Any]] = {k: list(v) for k, v in (fields or {}).items()}
         self.meta: dict[str, Any] = dict(meta or {})
@@ -104,7 +108,8 @@ class Batch:
         boolean mask (tensor or list) of exactly len(self) entries.
 
         Raises:
-            ValueError: a mask of the wrong length, or an index tensor of more than one dimension.
+            ValueError: a mask of the wrong length, an index tensor of more than one dimension, or a uint8 tensor
+                (torch reads one as a mask, its values read as indices: ambiguous).
             IndexError: an index out of range.
         """
         if isinstance(rows, slice):
@@ -115,12 +120,16 @@ class Batch:
             if isinstance(rows, Tensor):
                 if rows.ndim > 1:
                     raise ValueError(f"index: rows must be 1-d, got shape {tuple(rows.shape)}")
+                if rows.dtype == torch.uint8:  # torch reads it as a mask, a list of its values as indices
+                    raise ValueError("index: a uint8 tensor is ambiguous (mask or indices): pass a bool mask or longs")
                 vals = rows.reshape(-1).tolist()
                 is_mask = rows.dtype == torch.bool
             else:
                 vals = list(rows)
-                # Only an all-bool, non-empty list is a mask (bool is an int subclass: check the type exactly).
-                is_mask = bool(vals) and all(isinstance(v, bool) for v in vals)
+                # Only an all-bool, non-empty list is a mask (bool is an int subclass: check the type exactly). A
+                # numpy bool or 0-d bool tensor (`list(mask)`) is a bool too: read as 0/1 it picked rows 0 and 1.
+                is_mask = bool(vals) and all(_is_bool(v) for v in vals)
+                vals = [bool(v) for v in vals] if is_mask else vals
             if is_mask:
                 # A mask read as indices would silently pick rows 0 and 1 over and over.
                 if len(vals) != self._n:
@@ -240,11 +249,21 @@ class Batch:
     def __getstate__(self) -> dict[str, Any]:
         # torch pickles a tensor's whole storage: a 2-row slice of a 1 GB buffer would ship the full GB.
         tensors = {k: _compact(v) for k, v in self.tensors().items()}
-        return {"tensors": tensors, "fields": self.fields, "meta": self.meta, "n": self._n}
+        batch_size = list(self.td.batch_size)  # all batch dims: the local backend's copy keeps them too
+        return {"tensors": tensors, "fields": self.fields, "meta": self.meta, "n": self._n, "batch_size": batch_size}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.td = TensorDict(state["tensors"], batch_size=[state["n"]])
+        self.td = TensorDict(state["tensors"], batch_size=state.get("batch_size", [state["n"]]))
         self.fields, self.meta, self._n = state["fields"], state["meta"], state["n"]
+
+
+def _is_bool(v: Any) -> bool:
+    """A Python bool, a numpy bool or a 0-d bool tensor (an entry of a boolean mask given as a list)."""
+    if isinstance(v, bool):
+        return True
+    if isinstance(v, Tensor):
+        return v.ndim == 0 and v.dtype == torch.bool
+    return type(v).__name__ == "bool" and type(v).__module__ == "numpy"  # np.bool_ (no numpy import needed)
 
 
 def _compact(t: Tensor) -> Tensor:

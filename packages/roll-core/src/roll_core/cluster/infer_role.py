@@ -36,6 +36,8 @@ from roll_core.seeds import Purpose, derive_seed
 
 #: The tensor InferGroup.generate adds to a batch before splitting it: each prompt's index in the whole batch.
 PROMPT_INDEX = "prompt_index"
+#: Meta key of a rank's `generate` result: its engine's pad id (InferGroup.generate pads narrower ranks with it).
+PAD_ID = "pad_id"
 
 
 class InferWorker(EngineWorker):
@@ -75,6 +77,9 @@ class InferWorker(EngineWorker):
 
             out[ROUTING_ROWS] = gen.routed_experts
         out.meta["generate_seconds"] = gen.seconds
+        pad = getattr(self.engine, "pad_id", None)
+        if isinstance(pad, int):  # what InferGroup.generate pads a narrower rank's responses with
+            out.meta[PAD_ID] = pad
         return out
 
     def submit_local(self, request: Request) -> Future[RequestOutput]:
@@ -258,7 +263,9 @@ class InferGroup(WorkerGroup[InferWorker]):
         # A rank given no prompts (fewer prompts than engines: a refill round, a small eval set) lacks the per-row
         # fields an engine adds only with rows (MoE routing, `routed_experts_rows`): Batch.concat refused its keys.
         rows = [p for p in parts if len(p)] or parts[:1]
-        out = Batch.concat(_pad_responses(rows))
+        pad = next((p.meta[PAD_ID] for p in parts if PAD_ID in p.meta), 0)
+        out = Batch.concat(_pad_responses(rows, pad))
+        out.meta.pop(PAD_ID, None)
         out.meta["generate_seconds"] = max(p.meta.get("generate_seconds", 0.0) for p in parts)
         return out
 
@@ -352,8 +359,11 @@ def _stable_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
 
 
-def _pad_responses(parts: list[Batch]) -> list[Batch]:
-    """Ranks return responses of different lengths R_i: right-pad all to the longest before concatenating."""
+def _pad_responses(parts: list[Batch], pad_id: int = 0) -> list[Batch]:
+    """Ranks return responses of different lengths R_i: right-pad all to the longest before concatenating, responses
+    with the engine's `pad_id` (as each engine pads its own rows: padded with 0, the rows of a narrower rank held a
+    real token id where one engine's held the pad id, so a batch differed with the number of engines), the
+    log-probs and the mask with 0."""
     r = max(p["responses"].shape[1] for p in parts)
     out = []
     for p in parts:
@@ -361,7 +371,7 @@ def _pad_responses(parts: list[Batch]) -> list[Batch]:
         if extra:
             t = p.tensors()
             for k in ("responses", "behaviour_logprobs", "response_mask"):
-                t[k] = torch.nn.functional.pad(t[k], (0, extra))
+                t[k] = torch.nn.functional.pad(t[k], (0, extra), value=pad_id if k == "responses" else 0)
             p = Batch(t, p.fields, p.meta)
         out.append(p)
     return out

@@ -412,8 +412,9 @@ class TrainGroup(WorkerGroup[TrainWorker]):
         per_rank: list[dict[str, float]] = self.call(
             TrainWorker.train, batch, loss_fn, mini_batches, epochs, temperature, shuffle_seed
         )
-        sizes = Batch.split_sizes(len(batch), self.mesh.dp)
-        return merge_rank_metrics(per_rank, [sizes[self.mesh.dp_rank(r)] for r in range(len(per_rank))])
+        # One result per replica, in data-parallel order (Handle.values): replica d trained sizes[d] rows. (Read as
+        # global ranks, `dp_rank(d)` put a tensor-parallel mesh's replica 1 at rank 1, replica 0's second TP rank.)
+        return merge_rank_metrics(per_rank, Batch.split_sizes(len(batch), self.mesh.dp))
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full CPU weights (tests, tools; the pipeline syncs through roll_core.cluster.weight_sync)."""
