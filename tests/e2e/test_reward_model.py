@@ -39,26 +39,13 @@ def _train_reward_model(folder: Path, prompts: list[str]) -> tuple[float, float]
     """Train a tiny sequence classifier on pairs (more digits preferred) with the Bradley-Terry loss
     -log sigmoid(r_chosen - r_rejected) and save it to `folder`. Returns its accuracy on fresh pairs and its scale:
     the mean score of 6-digit responses minus that of digit-free ones."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
     from roll_core.cluster.reward_model import format_row
     from roll_core.models import build_tiny_tokenizer
+    from roll_core.testing.reward_models import tiny_classifier_model
 
     tok = build_tiny_tokenizer()
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        num_labels=1,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
     rng = random.Random(0)
-    model = LlamaForSequenceClassification(cfg)
+    model = tiny_classifier_model(tok, layers=1, spread=False)  # seeded (torch.manual_seed(0)), its head as drawn
 
     def padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.full((len(rows), max(map(len, rows))), tok.pad_token_id)

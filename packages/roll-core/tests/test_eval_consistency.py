@@ -37,6 +37,7 @@ from roll_core.pipelines.rollout import evaluate
 from roll_core.protocol import Batch
 from roll_core.report import write_eval_report
 from roll_core.testing.echo import EchoProblem, EchoTask
+from roll_core.testing.evaluation import eval_collector, sample_records
 from roll_core.tracking import replace_file
 
 ANSWER = 5  # tokens of a complete answer: the reward grades a complete answer right, a shorter one wrong
@@ -111,19 +112,7 @@ def test_roll_eval_and_the_training_evaluation_agree_on_the_same_rows() -> None:
         EchoProblem("long", "question " * 200, domain="b"),
     ]
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
-    collector = SimpleNamespace(
-        cfg=SimpleNamespace(
-            model=SimpleNamespace(max_prompt_length=LIMIT, chat_template_kwargs={}),
-            pipeline=SimpleNamespace(seed=0, max_idle_aborts=3),
-        ),
-        tokenizer=tokenizer,
-        processor=None,
-        eval_set=problems,
-        infer=_Engine(),
-        sampling=params,
-        eval_temperature=1.0,
-        scoring=_Scoring(tokenizer),
-    )
+    collector = eval_collector(tokenizer, problems, _Engine(), _Scoring(tokenizer), params, LIMIT)
     rows, skipped, _ = sample_rows(collector, EchoTask(), 1)
     assert [r["problem"] for r in rows] == ["ok", "short", "cut", "nan"]
     assert [r["failed"] for r in rows] == [None, None, "engine", "reward"] and rows[2]["response"] == "EEEEE"
@@ -156,19 +145,14 @@ _FOUR = [
 def _collector(problems: list[EchoProblem]) -> Any:
     """What the prompts collector's `evaluate` (and roll-eval's `sample_rows`) use of a collector."""
     tokenizer = build_tiny_tokenizer()
-    return SimpleNamespace(
-        cfg=SimpleNamespace(
-            model=SimpleNamespace(max_prompt_length=LIMIT, chat_template_kwargs={}),
-            pipeline=SimpleNamespace(seed=0, max_idle_aborts=3),
-        ),
-        tokenizer=tokenizer,
-        processor=None,
+    return eval_collector(
+        tokenizer,
+        problems,
+        _Engine(),
+        _Scoring(tokenizer),
+        SamplingParams(max_new_tokens=16, temperature=1.0),
+        LIMIT,
         task=EchoTask(),
-        eval_set=problems,
-        infer=_Engine(),
-        sampling=SamplingParams(max_new_tokens=16, temperature=1.0),
-        eval_temperature=1.0,
-        scoring=_Scoring(tokenizer),
         reward_model=None,  # reward_model=none (its eval metrics are added when there is one)
         _pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         _cut_ids=frozenset(),
@@ -306,24 +290,6 @@ def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path: Path, monkeypatc
     assert path.read_text(encoding="utf-8") == "old ±\n" and [p.name for p in tmp_path.iterdir()] == ["report.md"]
 
 
-def _rows(samples: list[tuple[str | None, float, str | None]]) -> list[dict[str, Any]]:
-    """One problem's records from (extracted, correct, failed)."""
-    return [
-        {
-            "index": 0,
-            "sample": j,
-            "extracted": e,
-            "correct": c,
-            "reward": c,
-            "formatted": 1.0,
-            "length": 1,
-            "finish_reason": "stop",
-            "failed": f,
-        }
-        for j, (e, c, f) in enumerate(samples)
-    ]
-
-
 def _brute_force_maj(rows: list[dict[str, Any]], same: Any) -> float:
     """maj@n by its definition: every key placed (most voted first, then earliest; each joins the first group, in
     opening order, whose representative equals it), the most voted group wins, graded by the majority of its graded
@@ -366,7 +332,7 @@ def _within_one(first: str, other: str) -> bool:  # not transitive: 1 ~ 2 ~ 3, 1
 def test_majority_vote_grades_the_winner_from_an_equal_answer_the_early_stop_left_unplaced() -> None:
     """'b' (graded right) and two 'B' (the reward failed on both): 'B' leads 2 to the 1 vote left, so 'b' is never
     checked, and the winner's only graded sample was missed (maj 0); by the definition it is right."""
-    rows = _rows([("b", 1.0, None), ("B", 0.0, "reward"), ("B", 0.0, "reward")])
+    rows = sample_records([("b", 1.0, None), ("B", 0.0, "reward"), ("B", 0.0, "reward")])
     assert (
         summarize(rows, [1], _case_insensitive)["maj"]
         == pytest.approx(1.0)
@@ -376,7 +342,7 @@ def test_majority_vote_grades_the_winner_from_an_equal_answer_the_early_stop_lef
     # checked against): '3' opens, '1' opens, '0' joins '1' (6 votes to 3, 1 left: stop); '2' (graded right) equals
     # both '3' and '1' but would join '3': not the winner's, and the winner has no graded sample: wrong.
     failed = [("3", 0.0, "reward")] * 3 + [("1", 0.0, "reward")] * 3 + [("0", 0.0, "reward")] * 3
-    rows = _rows([("2", 1.0, None), *failed])
+    rows = sample_records([("2", 1.0, None), *failed])
     assert summarize(rows, [1], _within_one)["maj"] == 0.0 == _brute_force_maj(rows, _within_one)
 
 
@@ -391,5 +357,5 @@ def test_majority_vote_equals_the_brute_force_definition(same: Any) -> None:
             failed = rng.choice([None, None, "reward", "engine"])
             answer = None if failed == "engine" or rng.random() < 0.1 else rng.choice(alphabet)
             samples.append((answer, float(rng.random() < 0.5), failed))
-        rows = _rows(samples)
+        rows = sample_records(samples)
         assert summarize(rows, [1], same)["maj"] == _brute_force_maj(rows, same), samples

@@ -26,22 +26,9 @@ from roll_core.models import build_tiny_tokenizer
 from roll_core.pipelines.rollout import evaluate
 from roll_core.protocol import Batch
 from roll_core.testing.echo import EchoProblem, EchoTask
+from roll_core.testing.evaluation import StopEngine, sample_records
 
 TOKEN = 40  # the token every response is made of
-
-
-class _Engine:
-    """Every prompt answered with three tokens, finished ("stop")."""
-
-    def generate(self, prompts: Batch, params: SamplingParams, n: int) -> Batch:
-        rows = len(prompts) * n
-        resp = torch.full((rows, 3), TOKEN, dtype=torch.long)
-        tensors = {
-            "responses": resp,
-            "behaviour_logprobs": torch.zeros(resp.shape),
-            "response_mask": torch.ones_like(resp),
-        }
-        return Batch({**tensors, "truncated": torch.zeros(rows)}, {"finish_reason": ["stop"] * rows})
 
 
 class _AnswerIsTheGrade:
@@ -84,8 +71,8 @@ def test_a_correct_that_is_no_grade_is_a_failed_row_in_the_training_evaluation(
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     kwargs: dict[str, Any] = {"max_prompt_length": 64, "params": params}
 
-    res = evaluate(_Engine(), _Unguarded(), tokenizer, EchoTask(), problems, **kwargs)
-    guarded = evaluate(_Engine(), _Guarded(tokenizer), tokenizer, EchoTask(), problems, **kwargs)
+    res = evaluate(StopEngine(TOKEN), _Unguarded(), tokenizer, EchoTask(), problems, **kwargs)
+    guarded = evaluate(StopEngine(TOKEN), _Guarded(tokenizer), tokenizer, EchoTask(), problems, **kwargs)
 
     assert res["accuracy"] == pytest.approx(0.4) and res["invalid_correct"] == 2
     assert res["accuracy_stderr"] == pytest.approx((0.4 * 0.6 / 4) ** 0.5)  # sqrt(p (1 - p) / (n - 1))
@@ -99,20 +86,7 @@ def test_a_correct_that_is_no_grade_is_a_failed_row_in_the_training_evaluation(
 
 def _rows(samples: list[tuple[str, float]], failed: dict[int, str] | None = None) -> list[dict[str, Any]]:
     """One problem's sample records from (extracted answer, correct); `failed`: sample index -> its `failed`."""
-    return [
-        {
-            "index": 0,
-            "sample": j,
-            "extracted": e,
-            "correct": c,
-            "reward": c,
-            "formatted": 1.0,
-            "length": 1,
-            "finish_reason": "stop",
-            "failed": (failed or {}).get(j),
-        }
-        for j, (e, c) in enumerate(samples)
-    ]
+    return sample_records([(e, c, (failed or {}).get(j)) for j, (e, c) in enumerate(samples)])
 
 
 @pytest.mark.parametrize(

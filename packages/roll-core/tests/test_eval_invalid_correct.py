@@ -10,7 +10,6 @@ in training and none in roll-eval. Now roll-eval counts it as training does: a f
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,23 +22,10 @@ from roll_core.models import build_tiny_tokenizer
 from roll_core.pipelines.rollout import evaluate
 from roll_core.protocol import Batch
 from roll_core.testing.echo import EchoProblem, EchoTask
+from roll_core.testing.evaluation import StopEngine, eval_collector
 
 TOKEN = 40  # the token every response is made of
 LIMIT = 64  # model.max_prompt_length
-
-
-class _Engine:
-    """Every prompt answered with three tokens, finished ("stop")."""
-
-    def generate(self, prompts: Batch, params: SamplingParams, n: int) -> Batch:
-        rows = len(prompts) * n
-        resp = torch.full((rows, 3), TOKEN, dtype=torch.long)
-        tensors = {
-            "responses": resp,
-            "behaviour_logprobs": torch.zeros(resp.shape),
-            "response_mask": torch.ones_like(resp),
-        }
-        return Batch({**tensors, "truncated": torch.zeros(rows)}, {"finish_reason": ["stop"] * rows})
 
 
 class _Unguarded:
@@ -68,25 +54,15 @@ def test_roll_eval_counts_a_correct_that_is_no_grade_as_the_training_evaluation_
         for i, (a, d) in enumerate([("1", "a"), ("0.5", "a"), ("0", "b"), ("1", "b")])
     ]
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
-    collector = SimpleNamespace(
-        cfg=SimpleNamespace(
-            model=SimpleNamespace(max_prompt_length=LIMIT, chat_template_kwargs={}),
-            pipeline=SimpleNamespace(seed=0, max_idle_aborts=3),
-        ),
-        tokenizer=tokenizer,
-        processor=None,
-        eval_set=problems,
-        infer=_Engine(),
-        sampling=params,
-        eval_temperature=1.0,
-        scoring=_Unguarded(),
-    )
+    collector = eval_collector(tokenizer, problems, StopEngine(TOKEN), _Unguarded(), params, LIMIT)
 
     with caplog.at_level(logging.WARNING):
         rows, _, _ = sample_rows(collector, EchoTask(), 1)  # roll-eval's records
         m = summarize(rows, [1])  # refused the rows with a ValueError before
     by = breakdown(rows, "domain", [1])
-    res = evaluate(_Engine(), _Unguarded(), tokenizer, EchoTask(), problems, max_prompt_length=LIMIT, params=params)
+    res = evaluate(
+        StopEngine(TOKEN), _Unguarded(), tokenizer, EchoTask(), problems, max_prompt_length=LIMIT, params=params
+    )
 
     assert m["accuracy"] == pytest.approx(res["accuracy"]) == pytest.approx(0.5)
     assert m["accuracy_stderr"] == pytest.approx(res["accuracy_stderr"])

@@ -13,43 +13,16 @@ import torch
 
 from roll_core.config import load_config
 from roll_core.errors import ConfigError
+from roll_core.models import build_tiny_tokenizer
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.reward_model import RewardModelScoring, RunningStats, build_reward_model
 from roll_core.protocol import Batch
-
-
-def _tiny_classifier(folder: Path, num_labels: int = 1, causal: bool = False) -> str:
-    """A seeded 2-layer Llama sequence classifier (or causal LM) with the builtin tiny tokenizer, saved in `folder`;
-    its head is spread so that scores differ clearly between inputs."""
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
-
-    from roll_core.models import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        num_labels=num_labels,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg) if causal else LlamaForSequenceClassification(cfg)
-    if not causal:
-        with torch.no_grad():
-            model.score.weight.normal_(0.0, 1.0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
+from roll_core.testing.reward_models import FixedScorer, reward_model_config, scoring_rows, tiny_classifier
 
 
 @pytest.fixture(scope="module")
 def rm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _tiny_classifier(tmp_path_factory.mktemp("rm"))
+    return tiny_classifier(tmp_path_factory.mktemp("rm"), build_tiny_tokenizer())
 
 
 @pytest.fixture(scope="module")
@@ -70,31 +43,6 @@ def _scoring(run_cfg, path: str, **fields: object) -> RewardModelScoring:
     return scoring
 
 
-class Fixed:
-    """A scorer returning given raw scores (the normalisation arithmetic is checked by hand against it)."""
-
-    def __init__(self, *batches: list[float]) -> None:
-        self.batches = list(batches)
-
-    def score(self, batch: Batch) -> Batch:
-        raw = torch.tensor(self.batches.pop(0), dtype=torch.float32)
-        assert len(raw) == len(batch)
-        return Batch({"rm_scores": raw, "rm_truncated": torch.zeros(len(raw), dtype=torch.bool)})
-
-
-def _rows(task: list[float]) -> tuple[Batch, Batch]:
-    n = len(task)
-    batch = Batch(fields={"prompt_text": [f"p{i}" for i in range(n)]})
-    scored = Batch({"scores": torch.tensor(task)}, {"response_text": [f"r{i}" for i in range(n)]})
-    return batch, scored
-
-
-def _cfg(**kw: object):
-    from roll_core.config.reward_model import RewardModelConfig
-
-    return RewardModelConfig(name="hf", path="/unused", **kw)
-
-
 def test_scores_equal_a_direct_transformers_forward(run_cfg, rm_path: str) -> None:
     """7 rows of different lengths, 3 per forward pass, right-padded: each score is the classifier's logit of the
     chat-templated (prompt, response) alone; a row longer than max_length is cut from the left and counted."""
@@ -103,7 +51,7 @@ def test_scores_equal_a_direct_transformers_forward(run_cfg, rm_path: str) -> No
     prompts = ["What is 2+2?", "Say hi", "x", "A much longer prompt about many things " * 3, "q", "Name a colour", ""]
     responses = ["4", "hi there!", "", "ok", "a" * 40, "red", "nothing"]
     scoring = _scoring(run_cfg, rm_path, batch_size=3, max_length=60)
-    batch, scored = _rows([0.0] * 7)
+    batch, scored = scoring_rows([0.0] * 7)
     batch["prompt_text"], scored["response_text"] = prompts, responses
     out = StepLog()
     scoring.apply(batch, scored, out)
@@ -235,7 +183,7 @@ def test_text_template_and_offload(run_cfg, rm_path: str) -> None:
     scoring = _scoring(run_cfg, rm_path, template="Q: {prompt} A: {response}", offload=True)
     group = scoring.scorer
     assert all(m["asleep"] for m in group.memory_bytes())
-    batch, scored = _rows([0.0, 0.0])
+    batch, scored = scoring_rows([0.0, 0.0])
     scoring.apply(batch, scored, StepLog())
     assert all(m["asleep"] for m in group.memory_bytes())
     tok = AutoTokenizer.from_pretrained(rm_path)
@@ -272,8 +220,8 @@ def test_batch_zscore_and_add_with_weight_by_hand() -> None:
     raw = [1.0, 2.0, 3.0, 6.0]
     mean, var = 3.0, (4 + 1 + 0 + 9) / 4  # population variance 3.5
     z = [(x - mean) / math.sqrt(var + 1e-6) for x in raw]
-    scoring = RewardModelScoring(_cfg(normalize="batch", mode="add", weight=0.5), Fixed(raw))
-    batch, scored = _rows([1.0, 0.0, 1.0, 0.0])
+    scoring = RewardModelScoring(reward_model_config(normalize="batch", mode="add", weight=0.5), FixedScorer(raw))
+    batch, scored = scoring_rows([1.0, 0.0, 1.0, 0.0])
     out = StepLog()
     scoring.apply(batch, scored, out)
     assert scored["scores"].tolist() == pytest.approx([t + 0.5 * v for t, v in zip([1, 0, 1, 0], z)], abs=1e-6)
@@ -282,8 +230,8 @@ def test_batch_zscore_and_add_with_weight_by_hand() -> None:
     assert out["reward_model/score_mean"] == pytest.approx(0.0, abs=1e-6)
     assert out["reward_model/score_std"] == pytest.approx(1.0, abs=1e-5)
     # replace: the model's raw score as it is (normalize=none), the task's score gone.
-    scoring = RewardModelScoring(_cfg(), Fixed(raw))
-    batch, scored = _rows([1.0, 0.0, 1.0, 0.0])
+    scoring = RewardModelScoring(reward_model_config(), FixedScorer(raw))
+    batch, scored = scoring_rows([1.0, 0.0, 1.0, 0.0])
     scoring.apply(batch, scored, StepLog())
     assert scored["scores"].tolist() == raw
 
@@ -295,13 +243,17 @@ def test_batch_zscore_spans_every_call_that_scored_the_batch() -> None:
     used are gone."""
     from roll_core.pipelines.sampling import RM_ROW_TENSORS
 
-    one = RewardModelScoring(_cfg(normalize="batch", mode="add", weight=0.5), Fixed([0.0, 1.0, 2.0, 3.0, 2.0, 3.0]))
-    batch, whole = _rows([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    one = RewardModelScoring(
+        reward_model_config(normalize="batch", mode="add", weight=0.5), FixedScorer([0.0, 1.0, 2.0, 3.0, 2.0, 3.0])
+    )
+    batch, whole = scoring_rows([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
     one.apply(batch, whole, StepLog())
-    two = RewardModelScoring(_cfg(normalize="batch", mode="add", weight=0.5), Fixed([0.0, 1.0, 2.0, 3.0], [2.0, 3.0]))
+    two = RewardModelScoring(
+        reward_model_config(normalize="batch", mode="add", weight=0.5), FixedScorer([0.0, 1.0, 2.0, 3.0], [2.0, 3.0])
+    )
     parts = []
     for task in ([1.0, 0.0, 1.0, 0.0], [1.0, 1.0]):
-        batch, scored = _rows(task)
+        batch, scored = scoring_rows(task)
         two.apply(batch, scored, StepLog())
         parts.append(scored)
     merged = Batch({k: torch.cat([p[k] for p in parts]) for k in ("scores", *RM_ROW_TENSORS)})
@@ -316,9 +268,9 @@ def test_running_statistics_and_their_state_dict_round_trip() -> None:
     next batch exactly as the uninterrupted one; evaluation (out=None) reads the statistics without updating."""
     a, b, c = [0.0, 4.0], [1.0, 2.0, 3.0], [10.0, -2.0]
     seen = torch.tensor(a + b)
-    first = RewardModelScoring(_cfg(normalize="running"), Fixed(a, b, [5.0, 5.0], c))
+    first = RewardModelScoring(reward_model_config(normalize="running"), FixedScorer(a, b, [5.0, 5.0], c))
     for part in (a, b):
-        batch, scored = _rows([0.0] * len(part))
+        batch, scored = scoring_rows([0.0] * len(part))
         out = StepLog()
         first.apply(batch, scored, out)
     assert first.stats.count == 5
@@ -329,16 +281,16 @@ def test_running_statistics_and_their_state_dict_round_trip() -> None:
     want_b = [(x - float(seen.mean())) / math.sqrt(float(seen.var(unbiased=False)) + 1e-6) for x in b]
     assert scored["scores"].tolist() == pytest.approx(want_b, abs=1e-6)
 
-    batch, scored = _rows([0.0, 0.0])
+    batch, scored = scoring_rows([0.0, 0.0])
     first.apply(batch, scored, None)  # evaluation: no update
     assert first.stats.count == 5
 
     state = first.state_dict()
-    second = RewardModelScoring(_cfg(normalize="running"), Fixed(c))
+    second = RewardModelScoring(reward_model_config(normalize="running"), FixedScorer(c))
     second.load_state_dict(state)
     outs = []
     for s in (first, second):
-        batch, scored = _rows([0.0, 0.0])
+        batch, scored = scoring_rows([0.0, 0.0])
         s.apply(batch, scored, StepLog())
         outs.append(scored["scores"].tolist())
     assert outs[0] == outs[1]
@@ -359,8 +311,10 @@ def test_running_stats_of_uneven_batches_match_torch() -> None:
 
 
 def test_non_finite_scores_are_counted_and_neutral() -> None:
-    scoring = RewardModelScoring(_cfg(normalize="batch"), Fixed([1.0, float("nan"), 3.0, float("inf")]))
-    batch, scored = _rows([0.0] * 4)
+    scoring = RewardModelScoring(
+        reward_model_config(normalize="batch"), FixedScorer([1.0, float("nan"), 3.0, float("inf")])
+    )
+    batch, scored = scoring_rows([0.0] * 4)
     out = StepLog()
     scoring.apply(batch, scored, out)
     assert out["reward_model/nonfinite"] == 2.0 and scoring.summary()["nonfinite"] == 2
@@ -434,10 +388,10 @@ def test_text_template_placeholders_are_checked_at_composition() -> None:
 
 
 def test_wrong_models_are_config_errors(run_cfg, tmp_path: Path) -> None:
-    causal = _tiny_classifier(tmp_path / "lm", causal=True)
+    causal = tiny_classifier(tmp_path / "lm", build_tiny_tokenizer(), causal=True)
     with pytest.raises(ConfigError, match="LlamaForCausalLM, not a sequence classifier"):
         _scoring(run_cfg, causal)
-    two = _tiny_classifier(tmp_path / "two", num_labels=2)
+    two = tiny_classifier(tmp_path / "two", build_tiny_tokenizer(), num_labels=2)
     with pytest.raises(ConfigError, match="2 labels"):
         _scoring(run_cfg, two)
     with pytest.raises(ConfigError, match=r"reward_model\.path=/no/such/rm does not exist"):
@@ -445,7 +399,7 @@ def test_wrong_models_are_config_errors(run_cfg, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     bare = tmp_path / "bare"
-    _tiny_classifier(bare)
+    tiny_classifier(bare, build_tiny_tokenizer())
     tok = AutoTokenizer.from_pretrained(bare)
     tok.chat_template = None
     tok.save_pretrained(bare)
@@ -463,16 +417,16 @@ def test_roll_eval_restores_the_checkpoints_running_statistics(tmp_path: Path) -
 
     from roll_core.evaluate import restore_reward_model
 
-    trained = RewardModelScoring(_cfg(normalize="running"), Fixed([0.0, 4.0, 8.0]))
-    batch, scored = _rows([0.0, 0.0, 0.0])
+    trained = RewardModelScoring(reward_model_config(normalize="running"), FixedScorer([0.0, 4.0, 8.0]))
+    batch, scored = scoring_rows([0.0, 0.0, 0.0])
     trained.apply(batch, scored, StepLog())
     ckpt = tmp_path / "checkpoints" / "step_000004"
     (ckpt / "actor" / "model").mkdir(parents=True)
     (ckpt / "state.json").write_text(json.dumps({"collector": {"reward_model": trained.state_dict()}}))
-    fresh = RewardModelScoring(_cfg(normalize="running"), Fixed([2.0, 6.0], [2.0, 6.0]))
+    fresh = RewardModelScoring(reward_model_config(normalize="running"), FixedScorer([2.0, 6.0], [2.0, 6.0]))
     assert restore_reward_model(SimpleNamespace(reward_model=fresh), str(ckpt / "actor" / "model"))
     assert fresh.stats.state_dict() == trained.stats.state_dict()
-    batch, scored = _rows([0.0, 0.0])
+    batch, scored = scoring_rows([0.0, 0.0])
     fresh.apply(batch, scored, None)  # evaluation: by the run's statistics (mean 4), not the batch's own
     assert scored["scores"].tolist() == pytest.approx([(x - 4.0) / math.sqrt(32 / 3 + 1e-6) for x in (2.0, 6.0)])
     assert not restore_reward_model(SimpleNamespace(reward_model=fresh), str(tmp_path))  # not a checkpoint

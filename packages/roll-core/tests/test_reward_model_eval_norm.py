@@ -18,32 +18,7 @@ import torch
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.reward_model import RewardModelScoring
 from roll_core.protocol import Batch
-
-
-class Fixed:
-    """A scorer returning given raw scores, one list per call."""
-
-    def __init__(self, *batches: list[float]) -> None:
-        self.batches = list(batches)
-
-    def score(self, batch: Batch) -> Batch:
-        raw = torch.tensor(self.batches.pop(0), dtype=torch.float32)
-        assert len(raw) == len(batch)
-        return Batch({"rm_scores": raw, "rm_truncated": torch.zeros(len(raw), dtype=torch.bool)})
-
-
-def _rows(task: list[float]) -> tuple[Batch, Batch]:
-    n = len(task)
-    batch = Batch(fields={"prompt_text": [f"p{i}" for i in range(n)]})
-    scored = Batch({"scores": torch.tensor(task)}, {"response_text": [f"r{i}" for i in range(n)]})
-    return batch, scored
-
-
-def _cfg(**kw: object):
-    from roll_core.config.reward_model import RewardModelConfig
-
-    return RewardModelConfig(name="hf", path="/unused", **kw)
-
+from roll_core.testing.reward_models import FixedScorer, reward_model_config, scoring_rows
 
 TRAIN = [0.0, 1.0, 2.0, 3.0]  # the training batch's raw scores: mean 1.5, population variance 1.25
 BAD, GOOD = [0.0, 0.0, 0.5, 0.5], [3.0, 3.0, 2.5, 2.5]
@@ -56,13 +31,15 @@ def test_eval_reward_tells_a_good_policy_from_a_bad_one(normalize: str, mode: st
     eval rewards, each its raw scores z-scored by the training statistics; the raw means are logged. With
     normalize=batch both were exactly the task reward (each eval batch standardised against itself)."""
     weight = 0.5 if mode == "add" else 1.0
-    scoring = RewardModelScoring(_cfg(normalize=normalize, mode=mode, weight=weight), Fixed(TRAIN, BAD, GOOD))
-    batch, scored = _rows([1.0, 0.0, 1.0, 0.0])
+    scoring = RewardModelScoring(
+        reward_model_config(normalize=normalize, mode=mode, weight=weight), FixedScorer(TRAIN, BAD, GOOD)
+    )
+    batch, scored = scoring_rows([1.0, 0.0, 1.0, 0.0])
     scoring.apply(batch, scored, StepLog())
     assert scoring.stats.count == 4
     rewards, logged = [], []
     for raw in (BAD, GOOD):
-        batch, scored = _rows([1.0, 0.0, 1.0, 0.0])
+        batch, scored = scoring_rows([1.0, 0.0, 1.0, 0.0])
         scoring.apply(batch, scored, None)  # evaluation's call (the collector's _Scoring)
         z = [(x - 1.5) / (1.25 + 1e-6) ** 0.5 for x in raw]
         want = z if mode == "replace" else [t + 0.5 * v for t, v in zip([1, 0, 1, 0], z)]
@@ -80,9 +57,9 @@ def test_eval_reward_tells_a_good_policy_from_a_bad_one(normalize: str, mode: st
 def test_batch_mode_training_rows_stay_standardised_by_their_own_batch() -> None:
     """normalize=batch still standardises each training batch by itself (the running statistics it now keeps are
     evaluation's reference only), and logs them."""
-    scoring = RewardModelScoring(_cfg(normalize="batch"), Fixed([10.0, 20.0], [0.0, 2.0]))
+    scoring = RewardModelScoring(reward_model_config(normalize="batch"), FixedScorer([10.0, 20.0], [0.0, 2.0]))
     for raw in ([10.0, 20.0], [0.0, 2.0]):
-        batch, scored = _rows([0.0, 0.0])
+        batch, scored = scoring_rows([0.0, 0.0])
         out = StepLog()
         scoring.apply(batch, scored, out)
         assert scored["scores"].tolist() == pytest.approx([-1.0, 1.0], abs=1e-5)
@@ -91,8 +68,8 @@ def test_batch_mode_training_rows_stay_standardised_by_their_own_batch() -> None
 
 
 def test_a_step0_evaluation_without_training_statistics_uses_its_own() -> None:
-    scoring = RewardModelScoring(_cfg(normalize="batch"), Fixed([1.0, 3.0]))
-    batch, scored = _rows([0.0, 0.0])
+    scoring = RewardModelScoring(reward_model_config(normalize="batch"), FixedScorer([1.0, 3.0]))
+    batch, scored = scoring_rows([0.0, 0.0])
     scoring.apply(batch, scored, None)
     assert scored["scores"].tolist() == pytest.approx([-1.0, 1.0], abs=1e-5)
     assert scoring.stats.count == 0
@@ -115,8 +92,8 @@ def test_the_prompts_collectors_eval_log_carries_the_raw_reward_model_scores(mon
         return {"accuracy": 0.0, "accuracy_stderr": None, "reward": float(scored["scores"].mean()), "n": 4}
 
     monkeypatch.setattr(prompts, "evaluate", evaluate)
-    rm = RewardModelScoring(_cfg(normalize="batch"), Fixed(TRAIN, BAD, GOOD))
-    batch, scored = _rows([0.0] * 4)
+    rm = RewardModelScoring(reward_model_config(normalize="batch"), FixedScorer(TRAIN, BAD, GOOD))
+    batch, scored = scoring_rows([0.0] * 4)
     rm.apply(batch, scored, StepLog())  # one training batch
     c = PromptCollector.__new__(PromptCollector)
     c.cfg = SimpleNamespace(

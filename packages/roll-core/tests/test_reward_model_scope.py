@@ -11,35 +11,17 @@ import torch
 
 from roll_core.config import load_config
 from roll_core.errors import ConfigError
+from roll_core.testing.reward_models import tiny_classifier
 
 
 def _classifier_without_pad(folder: Path) -> str:
     """A seeded tiny Llama sequence classifier whose config has no pad token, with the builtin tiny tokenizer whose
     pad is its EOS (`</s>`): the layout of reward models trained reading every input's last token."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
     from roll_core.models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     tok.pad_token = tok.eos_token
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        num_labels=1,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(cfg)
-    with torch.no_grad():
-        model.score.weight.normal_(0.0, 1.0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
+    return tiny_classifier(folder, tok, pad=False)
 
 
 def test_rows_ending_in_eos_are_scored_at_the_eos_when_the_model_has_no_pad_token(tmp_path: Path) -> None:

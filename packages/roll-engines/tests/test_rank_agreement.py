@@ -14,14 +14,12 @@ per micro-batch, after the first collectives, on the old code)."""
 
 from __future__ import annotations
 
-import os
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
+from roll_core.testing.gloo_ranks import join_gloo_group, run_two_ranks
 from roll_engines.train._agree import agreed, refusal
 
 #: The ranks' process-group timeout: a rank left waiting in a collective fails after this (not 30 minutes).
@@ -79,8 +77,6 @@ def _rank(rank: int, engine: str, port: int, path: str, out: str) -> None:
     response id is bad on rank 1 only, a training step on it, one whose ids are bad on both ranks, a distillation
     step whose gather ids are bad on rank 1 only (fsdp2: log-probs and attention credit of a batch whose replayed
     routing is bad on rank 1 only), then log-probs of a good batch."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
     import torch.distributed as dist
 
     from roll_core.pipelines.objectives import PolicyObjective
@@ -88,7 +84,7 @@ def _rank(rank: int, engine: str, port: int, path: str, out: str) -> None:
     from roll_core.testing.batches import toy_batch
     from roll_core.testing.train_engine import GatherLoss, gather_batch
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))  # the engines join it
+    join_gloo_group(rank, port, GROUP_TIMEOUT_S)  # the engines join it
     settings = {"dist_backend": "gloo", "num_threads": 1, "lr": 1e-3, "micro_batch_size": 2}
     if engine == "fsdp2":
         from roll_engines.train.fsdp2 import FSDP2TrainEngine
@@ -129,34 +125,6 @@ def _rank(rank: int, engine: str, port: int, path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _run_two_ranks(engine: str, path: str, out: Path, preload: list[str]) -> list[dict]:
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    from roll_core.cluster.ports import free_port
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-    ranks = mp.start_processes(
-        _rank, args=(engine, free_port(), path, str(out)), nprocs=2, join=False, start_method="forkserver"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    failure = None
-    try:
-        while not ranks.join(timeout=1):  # raises what a rank raised outside `_attempt` (a collective timed out)
-            if time.monotonic() > deadline:
-                failure = f"did not finish in {DEADLINE_S} s"
-                break
-    except Exception as e:
-        failure = f"failed: {e}"
-    for p in ranks.processes:
-        if p.is_alive():
-            p.kill()
-    got = [torch.load(f"{out}.{r}", weights_only=False) if Path(f"{out}.{r}").exists() else {} for r in (0, 1)]
-    assert failure is None, f"the two {engine} ranks {failure}\nthey recorded {got}"
-    return got
-
-
 def _check(got: list[dict], vocab_hint: str, routing: bool = False) -> None:
     for rank, results in enumerate(got):
         for call in ("logprobs", "train"):
@@ -190,7 +158,7 @@ def test_two_fsdp2_ranks_both_raise_a_refusal_of_rank_1(tiny: str, tmp_path: Pat
     from roll_core.testing.models import tiny_model
 
     moe = tiny_model("qwen3_moe", tmp_path / "moe")  # 4 experts, top-2: routing replay on
-    got = _run_two_ranks("fsdp2", moe, tmp_path / "ranks", ["torch", "transformers"])
+    got = run_two_ranks(_rank, "fsdp2", moe, tmp_path / "ranks", ["torch", "transformers"], DEADLINE_S)
     _check(got, str(AutoConfig.from_pretrained(moe).vocab_size + 5), routing=True)
 
 
@@ -205,5 +173,5 @@ def test_two_megatron_ranks_both_raise_a_refusal_of_rank_1(tiny: str, tmp_path: 
         "roll_engines.train.megatron",
         "roll_core.testing.train_engine",
     ]
-    got = _run_two_ranks("megatron", tiny, tmp_path / "ranks", preload)
+    got = run_two_ranks(_rank, "megatron", tiny, tmp_path / "ranks", preload, DEADLINE_S)
     _check(got, str(AutoConfig.from_pretrained(tiny).vocab_size + 5))

@@ -14,9 +14,6 @@
 
 from __future__ import annotations
 
-import os
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ import torch
 
 from roll_core.pipelines.objectives import PolicyObjective
 from roll_core.testing.batches import toy_batch
+from roll_core.testing.gloo_ranks import join_gloo_group, run_two_ranks
 
 #: A rank left waiting in a collective fails after this (not 30 minutes); the test waits DEADLINE_S for both.
 GROUP_TIMEOUT_S = 30
@@ -87,13 +85,11 @@ def test_hf_refuses_a_batch_without_the_losss_gather_key(tiny: str) -> None:
 def _rank(rank: int, engine: str, port: int, path: str, out: str) -> None:
     """One of two data-parallel gloo ranks: a distillation step whose gather key rank 1's batch lacks, then
     log-probs of a good batch (the ranks' collectives must still pair up)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
     import torch.distributed as dist
 
     from roll_core.testing.train_engine import GatherLoss, gather_batch
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    join_gloo_group(rank, port, GROUP_TIMEOUT_S)
     settings = {"dist_backend": "gloo", "num_threads": 1, "lr": 1e-3, "micro_batch_size": 2}
     if engine == "fsdp2":
         from roll_engines.train.fsdp2 import FSDP2TrainEngine
@@ -122,40 +118,13 @@ def _rank(rank: int, engine: str, port: int, path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _run_two_ranks(engine: str, path: str, out: Path, preload: list[str]) -> list[dict]:
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    from roll_core.cluster.ports import free_port
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-    ranks = mp.start_processes(
-        _rank, args=(engine, free_port(), path, str(out)), nprocs=2, join=False, start_method="forkserver"
-    )
-    deadline, failure = time.monotonic() + DEADLINE_S, None
-    try:
-        while not ranks.join(timeout=1):  # raises what a rank raised outside its try (a collective timed out)
-            if time.monotonic() > deadline:
-                failure = f"did not finish in {DEADLINE_S} s"
-                break
-    except Exception as e:
-        failure = f"failed: {e}"
-    for p in ranks.processes:
-        if p.is_alive():
-            p.kill()
-    got = [torch.load(f"{out}.{r}", weights_only=False) if Path(f"{out}.{r}").exists() else {} for r in (0, 1)]
-    assert failure is None, f"the two {engine} ranks {failure}\nthey recorded {got}"
-    return got
-
-
 @pytest.mark.parametrize("engine", ["fsdp2", "megatron"])
 def test_two_ranks_both_refuse_a_gather_key_missing_on_rank_1(tiny: str, tmp_path: Path, engine: str) -> None:
     preload = ["torch", "transformers"]
     if engine == "megatron":
         pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]'")
         preload += ["megatron.core", "roll_engines.train.megatron", "roll_core.testing.train_engine"]
-    got = _run_two_ranks(engine, tiny, tmp_path / "ranks", preload)
+    got = run_two_ranks(_rank, engine, tiny, tmp_path / "ranks", preload, DEADLINE_S)
     for rank, results in enumerate(got):
         kind, message = results["gather"].get("error", (None, f"rank {rank} raised nothing"))
         assert kind == "ValueError", (rank, results)

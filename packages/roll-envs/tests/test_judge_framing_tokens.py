@@ -6,44 +6,18 @@ A prompt that spells none gets the ids `apply_chat_template` gives, as before.""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from roll_core.testing.chat_templates import QWEN25, family_tokenizer
+from roll_core.testing.recording_engine import RecordingEngine
 from roll_envs.rewards.judge import JudgeReward
 
 TURN = "<judge_turn>"  # the judge template's own framing token
 REPLY = "<judge_reply>"  # the judge model's chat template writes it after its assistant header
 TEMPLATE = f"Grade the answer.\n{TURN}\n{{response}}\n{TURN}\nReference: {{answer}}\nVerdict (yes or no):"
-
-
-class RecordingEngine:
-    """A request engine that records each prompt's ids and answers `reply` at once."""
-
-    max_context_length = 4096
-
-    def __init__(self, reply: list[int]) -> None:
-        self.reply = reply
-        self.prompts: list[list[int]] = []
-
-    def submit(self, request: Any) -> Future:
-        from roll_core.interfaces import RequestOutput
-
-        self.prompts.append(list(request.prompt_ids))
-        fut: Future = Future()
-        fut.set_result(
-            RequestOutput(request.request_id, request.prompt_ids, self.reply, [0.0] * len(self.reply), "stop")
-        )
-        return fut
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-    def shutdown(self) -> None:
-        pass
 
 
 def judge_tokenizer() -> Any:

@@ -15,6 +15,7 @@ import pytest
 
 from roll_core.errors import ConfigError
 from roll_core.testing.chat_templates import FAMILIES, QWEN25, family_tokenizer
+from roll_core.testing.recording_engine import RecordingEngine
 from roll_envs.rewards._special_spellings import ZWSP, SpecialSpellings
 from roll_envs.rewards.judge import JudgeReward
 
@@ -35,32 +36,6 @@ def framing(tok: Any) -> list[int]:
 
 
 # ---- engine backend: the judge model's tokenizer, here -----------------------------------------------------------
-class RecordingEngine:
-    """A request engine that records each prompt's ids and answers `reply` at once."""
-
-    max_context_length = 4096
-
-    def __init__(self, reply: list[int]) -> None:
-        self.reply = reply
-        self.prompts: list[list[int]] = []
-
-    def submit(self, request: Any) -> Future:
-        from roll_core.interfaces import RequestOutput
-
-        self.prompts.append(list(request.prompt_ids))
-        fut: Future = Future()
-        fut.set_result(
-            RequestOutput(request.request_id, request.prompt_ids, self.reply, [0.0] * len(self.reply), "stop")
-        )
-        return fut
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-    def shutdown(self) -> None:
-        pass
-
-
 def engine_judge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **kw: Any) -> tuple[JudgeReward, Any, dict]:
     """A judge on the engine backend whose model folder holds the qwen2.5-style tokenizer and whose engine records
     its prompts (answering "Verdict: no")."""

@@ -5,10 +5,7 @@ workers (roll_core.pipelines.wiring), which resolve the platform by that name. P
 
 from __future__ import annotations
 
-import sys
-import textwrap
 from importlib.metadata import EntryPoint
-from pathlib import Path
 
 import pytest
 
@@ -36,24 +33,14 @@ class _Dist:
 
 
 @pytest.fixture
-def declare(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+def declare(platform_plugins):
     """Declare `AcmeGpu` (a module on sys.path) as platform `entry`, its class's `name` set by `name_line`."""
 
     def install(entry: str, name_line: str) -> None:
         module = f"roll_acme_named_{entry}"
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(_PLUGIN.format(name_line=name_line)))
-        monkeypatch.syspath_prepend(str(tmp_path))
-        real = detect.entry_points
-        ep = EntryPoint(name=entry, value=f"{module}:AcmeGpu", group=detect.GROUP)
-        monkeypatch.setattr(detect, "entry_points", lambda group: [*real(group=group), ep])
-        detect.clear_cache()
+        platform_plugins.install(entry, module, _PLUGIN.format(name_line=name_line), "AcmeGpu")
 
-    monkeypatch.delenv("ROLL_PLATFORM", raising=False)
-    yield install
-    monkeypatch.undo()
-    detect.clear_cache()
-    for mod in [m for m in sys.modules if m.startswith("roll_acme_named_")]:
-        del sys.modules[mod]
+    return install
 
 
 def test_a_plugin_whose_class_keeps_another_platforms_name_is_an_error_naming_it(declare) -> None:

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
-import textwrap
 from importlib.metadata import EntryPoint
-from pathlib import Path
 
 import pytest
 
@@ -37,24 +34,14 @@ _RAISES = 'raise OSError("libacme_driver.so: cannot open shared object file")'
 
 
 @pytest.fixture
-def install_plugin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+def install_plugin(platform_plugins):
     """Install a raising platform plugin under `name` (a module on sys.path, an entry point of another dist)."""
 
     def install(name: str, probe: str = _RAISES) -> None:
         module = f"roll_acme_raising_{name}"
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(_PLUGIN.format(name=name, probe=probe)))
-        monkeypatch.syspath_prepend(str(tmp_path))
-        real = detect.entry_points
-        ep = EntryPoint(name=name, value=f"{module}:AcmePlatform", group=detect.GROUP)
-        monkeypatch.setattr(detect, "entry_points", lambda group: [*real(group=group), ep])
-        detect.clear_cache()
+        platform_plugins.install(name, module, _PLUGIN.format(name=name, probe=probe), "AcmePlatform")
 
-    monkeypatch.delenv("ROLL_PLATFORM", raising=False)
-    yield install
-    monkeypatch.undo()
-    detect.clear_cache()
-    for mod in [m for m in sys.modules if m.startswith("roll_acme_raising_")]:
-        del sys.modules[mod]
+    return install
 
 
 def _no_accelerator() -> None:

@@ -5,10 +5,6 @@ entry_points.txt) and its module in a temporary folder on sys.path, read by impo
 
 from __future__ import annotations
 
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
 from roll_hw import PlatformPluginError, detect, resolve_platform
@@ -25,25 +21,14 @@ class AutoNamed(CpuPlatform):
 
 
 @pytest.fixture
-def install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+def install(platform_plugins):
     """`install(entry)`: a distribution `acme-{entry}` declaring `AutoNamed` as `roll.platforms:{entry}`."""
 
     def put(entry: str) -> None:
         module = f"roll_acme_reserved_{entry}"
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(_MODULE.format(name=entry)))
-        info = tmp_path / f"acme_{entry}-0.1.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: acme-{entry}\nVersion: 0.1\n")
-        (info / "entry_points.txt").write_text(f"[{detect.GROUP}]\n{entry} = {module}:AutoNamed\n")
-        monkeypatch.syspath_prepend(str(tmp_path))
-        detect.clear_cache()
+        platform_plugins.install(entry, module, _MODULE.format(name=entry), "AutoNamed", dist=f"acme-{entry}")
 
-    monkeypatch.delenv(detect.ENV_VAR, raising=False)
-    yield put
-    monkeypatch.undo()
-    detect.clear_cache()
-    for mod in [m for m in sys.modules if m.startswith("roll_acme_reserved_")]:
-        del sys.modules[mod]
+    return put
 
 
 def test_a_plugin_declared_as_auto_is_an_error_naming_it(install) -> None:
