@@ -53,7 +53,7 @@ the guard's cut-off then applies.
 
 Covers: stdin/stdout programs in the interpreter's standard library, floating-point answers (`float_tolerance`).
 Does not cover: function-call tests, special judges (several right outputs), ~~~ fences, third-party packages
-unless the configured `python` has them and `extra_ro_binds` exposes them.
+unless the configured `python` (e.g. a virtual environment's) has them in its site-packages.
 """
 
 from __future__ import annotations
@@ -231,7 +231,8 @@ class CodeReward(Reward):
         format_weight: bonus for a response with a code block.
         float_tolerance: compare outputs token by token, numbers within this relative and absolute tolerance
             (e.g. 1e-6; module docstring); None: exact comparison.
-        python: interpreter inside the sandbox; None: the one running roll (standard library only).
+        python: interpreter inside the sandbox (a virtual environment's `bin/python` brings its site-packages);
+            None: the one running roll (standard library only).
         allow_unsandboxed_execution_i_understand_the_risk: when no sandbox works here, run programs in plain
             child processes (resource limits only: they can read your files and reach the network) instead of
             refusing to start. A working sandbox is always used.

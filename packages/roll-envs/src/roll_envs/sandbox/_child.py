@@ -1,8 +1,8 @@
 """The launcher that runs first inside every sandbox: limits, identity, then the model's program.
 
 Its source is passed as
-`python -I -S -B -X utf8 -c <source> roll-sandbox-child MAIN READY_FD UID PARENT CPUS OFFSET NAME=SOFT:HARD...`
-(READY_FD, UID and PARENT are `-` when unused), so it may import only the standard library, must not import roll,
+`python -I -S -B -X utf8 -c <source> roll-sandbox-child MAIN READY_FD UID PARENT CPUS OFFSET SITE NAME=SOFT:HARD...`
+(READY_FD, UID, PARENT and SITE are `-` when unused), so it may import only the standard library, must not import roll,
 and imports as little as it can (every run pays for its start). It runs before any model code, in this order:
 0. if a parent pid is given (unsandboxed runs, which have no bwrap `--die-with-parent`), ask the kernel for
    SIGKILL when the thread that started this process ends (roll's run thread, which waits for the run: so, when
@@ -15,6 +15,8 @@ and imports as little as it can (every run pays for its start). It runs before a
    return N (Python < 3.13 would say the host's count: `multiprocessing.Pool()`, `ProcessPoolExecutor()` and
    joblib would start more workers than `max_processes` allows), and set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS,
    MKL_NUM_THREADS and PYTHON_CPU_COUNT (3.13+, read by interpreters started without -I/-E) to N;
+3b. add the site-packages folders of SITE (os.pathsep-separated: a configured interpreter's, e.g. a virtual
+   environment's; `-S` skipped them) to `sys.path` as `site` would, their .pth files included (under the limits);
 4. write one byte to READY_FD and close it: the caller learns that the sandbox came up, so a failure before
    this point is a sandbox error, never a wrong answer;
 5. run MAIN as the `__main__` module, with `exit()`/`quit()` defined, as `python MAIN` would.
@@ -52,7 +54,7 @@ def pin_cpus(wanted: int, offset: int) -> int:
 
 
 def main() -> None:
-    path, ready, uid, parent, cpus, offset, *limits = sys.argv[2:]
+    path, ready, uid, parent, cpus, offset, site_dirs, *limits = sys.argv[2:]
     if parent != "-":
         die_with_parent(int(parent))
     for item in limits:
@@ -66,11 +68,14 @@ def main() -> None:
         if os.getuid() != int(uid) or os.geteuid() != int(uid):
             raise SystemExit("roll-sandbox-child: could not drop privileges")
     pin_cpus(int(cpus), int(offset))
+    import site
+
+    if site_dirs != "-":
+        for folder in site_dirs.split(os.pathsep):
+            site.addsitedir(folder)
     if ready != "-":
         os.write(int(ready), b"1")
         os.close(int(ready))
-    import site
-
     site.setquit()
     with open(path, "rb") as f:
         source = f.read()

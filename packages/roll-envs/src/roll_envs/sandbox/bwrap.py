@@ -6,7 +6,10 @@ Contract of the command line (`bwrap_argv`):
   (the caller learns the namespace's init, whose death kills every process of the run).
 - Filesystem: a fresh tmpfs root, remounted read-only once built. Visible, read-only: the system library folders
   (`/usr`, and `/lib`, `/lib64`, `/bin`, `/sbin` as the host has them, as folders or links), `/etc/ld.so.cache`,
-  and the interpreter's prefixes (`sys.prefix`, `sys.base_prefix`, their exec prefixes), plus `extra_ro_binds`.
+  and the interpreter's prefixes (`sys.prefix`, `sys.base_prefix`, their exec prefixes; for a virtual environment
+  its own folder too, the one holding `pyvenv.cfg`), plus `extra_ro_binds`. An explicitly configured interpreter's
+  site-packages (a venv's, and its base's with `include-system-site-packages`) are put on `sys.path` by `_child.py`
+  (`Interpreter.site_dirs`), since the sandbox runs Python with `-S`.
   Writable: only `/tmp`, a private, size-capped tmpfs and the working folder, holding the read-only program
   `/tmp/main.py`, and `/dev/shm`, another private, size-capped tmpfs (POSIX semaphores and shared memory live there:
   `multiprocessing` locks, queues and pools need it). A private `/proc` (this PID namespace only) and a minimal,
@@ -86,9 +89,13 @@ class Interpreter:
 
     # Path executed inside the sandbox (unresolved, so a virtual environment keeps its pyvenv.cfg).
     executable: str
-    # Folders bound read-only: its prefixes and the folder of the resolved executable.
+    # Folders bound read-only: its prefixes (a virtual environment's folder too) and the folder of the resolved
+    # executable.
     folders: tuple[str, ...]
     version: str
+    # site-packages folders the sandboxed program may import from (`site.addsitedir` in `_child.py`, .pth files
+    # included): empty for the default interpreter (standard library only).
+    site_dirs: tuple[str, ...] = ()
 
 
 def _version(bwrap: str) -> tuple[int, ...]:
@@ -138,32 +145,67 @@ def default_python() -> str:
     return getattr(sys, "_base_executable", None) or sys.executable
 
 
+# Run by the interpreter with -I -S (no site, no .pth file of it runs on the host). With -S, Python >= 3.11 reports
+# the base prefix as `sys.prefix` even in a virtual environment: the venv is found as `site.venv` finds it (a
+# `pyvenv.cfg` beside the executable or one folder up; the venv is the folder above the executable's), and its
+# site-packages are those `site` would add (the base's too when `include-system-site-packages` is not false).
+_PROBE = """
+import json, os, site, sys
+bin_dir = os.path.dirname(os.path.abspath(sys.executable))
+venv, system_site = None, True
+for cfg in (os.path.join(bin_dir, "pyvenv.cfg"), os.path.join(os.path.dirname(bin_dir), "pyvenv.cfg")):
+    if os.path.isfile(cfg):
+        venv = os.path.dirname(bin_dir)
+        with open(cfg, encoding="utf-8") as f:
+            for line in f:
+                key, eq, value = line.partition("=")
+                if eq and key.strip().lower() == "include-system-site-packages":
+                    system_site = value.strip().lower() == "true"
+        break
+base = [sys.prefix, sys.exec_prefix]
+prefixes = ([venv] + (base if system_site else [])) if venv else base
+sites = [p for p in site.getsitepackages(prefixes) if os.path.isdir(p)]
+print(json.dumps([[sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix], venv, sites,
+                  "%d.%d.%d" % sys.version_info[:3]]))
+"""
+
+
 @functools.lru_cache(maxsize=8)
 def interpreter(python: str | None = None) -> Interpreter:
-    """Ask `python` (default: `default_python()`) for its prefixes; the result is cached per path."""
+    """Ask `python` (default: `default_python()`) for its prefixes; the result is cached per path.
+
+    A configured `python` (a virtual environment's `.venv/bin/python`, a conda or system Python) brings its
+    site-packages (`Interpreter.site_dirs`) and, for a venv, the venv's folder; the default one the standard
+    library only.
+
+    Raises:
+        FileNotFoundError: `python` does not run here.
+        ValueError: it (or its venv, or a site-packages folder) lives where the sandbox cannot show it.
+    """
     exe = python or default_python()
     if os.sep not in exe:
         exe = shutil.which(exe) or exe
     # Resolve the folders on the way (a linked /home) but not the file: a venv's python is found by its link name.
     exe = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(exe))), os.path.basename(exe))
-    probe = (
-        "import sys, json; print(json.dumps([sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,"
-        " '%d.%d.%d' % sys.version_info[:3]]))"
-    )
     try:
-        out = subprocess.run([exe, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=30, check=True)
+        out = subprocess.run([exe, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=30, check=True)
     except (OSError, subprocess.SubprocessError) as exc:
         raise FileNotFoundError(f"cannot run the sandbox's interpreter {exe!r}: {exc}") from exc
-    *prefixes, version = json.loads(out.stdout)
+    prefixes, venv, sites, version = json.loads(out.stdout)
+    site_dirs = [os.path.realpath(p) for p in sites] if python else []
     real_dir = str(Path(os.path.realpath(exe)).parent)
-    folders = _outermost([os.path.realpath(p) for p in prefixes] + [real_dir])
+    shown = [os.path.realpath(p) for p in prefixes] + ([os.path.realpath(venv)] if venv else []) + site_dirs
+    folders = _outermost([*shown, real_dir])
     for folder in folders:
         if folder == "/" or any(folder == s or folder.startswith(s + "/") for s in _SANDBOX_PATHS):
             raise ValueError(
-                f"the interpreter {exe} lives in {folder}, which the sandbox cannot expose: use a Python installed"
-                " under its own prefix (env.reward.python)"
+                f"the interpreter {exe} needs {folder}, which the sandbox cannot expose (it has its own /, "
+                f"{', '.join(_SANDBOX_PATHS)}): use a Python installed under its own prefix, or a virtual "
+                "environment made outside those folders (`python -m venv /opt/sandbox-venv`), as env.reward.python"
             )
-    return Interpreter(executable=exe, folders=tuple(folders), version=version)
+    if any(os.pathsep in d for d in site_dirs):
+        raise ValueError(f"the interpreter {exe}'s site-packages {site_dirs} hold {os.pathsep!r}: move it")
+    return Interpreter(executable=exe, folders=tuple(folders), version=version, site_dirs=tuple(site_dirs))
 
 
 def exposed_secrets(folders: Sequence[str]) -> list[str]:

