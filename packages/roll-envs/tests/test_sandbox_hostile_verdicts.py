@@ -2,8 +2,9 @@
 
 - Time budget (fraction mode): a program that hangs on every test used up the call's `time_budget_s` and its row
   came back `unfinished`, flagged `failed` (not judged, never trained on as wrong) while an honest wrong program
-  scored 0: hanging dodged the score. A row with a failed test is now judged when the budget runs out (the tests
-  it did not run count as failed); a row whose tests all passed so far stays `unfinished`.
+  scored 0: hanging dodged the score. A row whose program timed out on a test is now judged when the budget runs
+  out (the tests it did not run count as failed); other cut rows stay `unfinished` (the budget is the batch's: a
+  row the pool started late must not be scored on tests it had no time for).
 - The interpreter's folders: the sandbox shows the interpreter's prefixes read-only, so a Python whose prefix is a
   home or project folder (`./configure --prefix=$HOME`) exposed `.netrc`, `.ssh`, `.aws` or a `.env` beside it to
   every program. Such a prefix is now refused (a ValueError: a
@@ -19,6 +20,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,11 +61,21 @@ def test_passing_the_example_then_hanging_scores_its_passed_share(fraction: Code
     assert res.counters["program_timeouts"] == 1 and res.counters["unfinished"] == 0
 
 
-def test_a_slow_wrong_program_is_judged(fraction: CodeReward) -> None:
-    # Under the program clock (no timeout), wrong, and slow enough to use the budget up.
+def test_a_slow_wrong_program_under_its_clock_stays_unfinished(fraction: CodeReward) -> None:
+    # Under the program clock (no timeout), wrong: only its own timeout judges a cut row (the budget is the batch's).
     res = fraction.score([fenced("import time\ntime.sleep(0.4)\nprint('x')")], [TESTS], time_budget_s=BUDGET_S)
-    assert res.failed == [False] and res.scores == [0.0]
-    assert res.counters["wrong_answers"] == 1 and res.counters["unfinished"] == 0
+    assert res.failed == [True] and res.counters["unfinished"] == 1 and res.counters["wrong_answers"] == 0
+
+
+def test_a_row_started_late_with_a_fast_wrong_test_is_not_scored_on_tests_it_never_ran(fraction: CodeReward) -> None:
+    # Wrong on the first test only, fast: alone it scores 5/6. Started by the pool with room for one test left, it was
+    # judged 0.0 (the five unrun tests counted as failed): the batch's time, not the program's, ran out.
+    program = fenced("n = input()\nprint(int(n) + 1 if n == '0' else n)")
+    assert fraction.score([program], [TESTS]).scores == [pytest.approx(5 / 6)]
+    # Room for exactly one test: the start allowance and one program clock, plus less than any sandbox run takes.
+    deadline = time.monotonic() + 1.0 + 0.5 + 0.03
+    _, ok, has_code, kinds = fraction._score_one(program, TESTS, deadline)
+    assert kinds == {"unfinished"} and not ok and has_code
 
 
 def test_a_row_that_passed_every_test_it_ran_stays_unfinished(fraction: CodeReward) -> None:

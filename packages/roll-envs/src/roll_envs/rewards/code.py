@@ -45,9 +45,12 @@ Time budget: roll's reward guard gives `score` its `time_budget_s` and cuts the 
 which lost every score of a batch slower than that (hanging programs: rows x timeout_s / parallelism) and rescored
 it row by row, one sandbox at a time, until it gave up on the rest. With the budget, a test starts only when its
 program clock (`timeout_s`) plus a second for the sandbox's start ends before it, so the call returns in time with
-the rows judged so far; the others are `unfinished`, but for a row with a failed test already (fraction mode),
-which is judged, the tests it did not run counting as failed: a program must not dodge its score by using up the
-budget (one that hung on every test had its row `failed`, never trained on as wrong). Not bounded by it: a start
+the rows judged so far; the others are `unfinished`, but for a row whose program ran out its own clock on a test
+already (`program_timeouts`, fraction mode), which is judged, the tests it did not run counting as failed: a
+program must not dodge its score by hanging (one that hung on every test had its row `failed`, never trained on as
+wrong). Only its own timeout judges it: the budget is the batch's, so a row started late by the pool with one fast
+wrong test behind it would otherwise be scored on the tests it had no time for (0.0 where 0.9 was right). A program
+wrong and slow just under its clock is still `unfinished`. Not bounded by it: a start
 slower than that second (its own clock allows 10 s) and a wait for a sandbox slot held by another concurrent call;
 the guard's cut-off then applies.
 
@@ -307,7 +310,7 @@ class CodeReward(Reward):
         self, response: str, answer: str, deadline: float | None = None
     ) -> tuple[float, bool, bool, set[str]]:
         """(score, all passed, has code, counter kinds) of one response; `unfinished` when a test would not end
-        before `deadline` (a monotonic time) and none has failed yet (module docstring)."""
+        before `deadline` (a monotonic time) and the program has not timed out on one yet (module docstring)."""
         answer_text = final_text(response) if isinstance(response, str) else None  # after the reasoning
         code = extract_code(answer_text) if answer_text is not None else None
         if code is None:
@@ -336,9 +339,9 @@ class CodeReward(Reward):
         limits = self.sandbox.limits
         for test in tests:
             if deadline is not None and time.monotonic() + _START_ALLOWANCE_S + limits.timeout_s > deadline:
-                if not kinds:  # every test so far passed: the caller's time, not the program's, ran out
+                if _COUNTER[TIMEOUT] not in kinds:  # the batch's time ran out, not this program's (docstring)
                     return bonus, False, True, {"unfinished"}
-                # A test failed already (fraction mode): judged, the tests not run count as failed. Unjudged, a
+                # It hung on a test already (fraction mode): judged, the tests not run count as failed. Unjudged, a
                 # program that hangs on every test dodged its score: its row was `failed`, never trained as wrong.
                 break
             res = self._run(code, test.input)
