@@ -1,7 +1,9 @@
 """The batch protocol: what flows between the controller and the role workers.
 
 A `Batch` is a `TensorDict` of tensors sharing the leading batch dimension, plus typed non-tensor per-row fields
-(prompt ids, ground truths, domains: lists of Python values, one per row) and a batch-level `meta` dict.
+(prompt ids, ground truths, domains: lists of Python values, one per row) and a batch-level `meta` dict. A batch
+owns its containers: one built from a TensorDict, a fields dict or a meta dict holds shallow copies of them (the
+tensors and values are shared), so setting a key on it never changes another batch.
 
 Splitting is uneven by design: `split(k)` gives k parts whose sizes differ by at most one (the first
 `len % k` parts get the extra row), never requires divisibility (k may exceed the row count: the last parts are
@@ -17,6 +19,7 @@ Sequence layout used by the RLVR pipeline (all right-aligned prompts, left-align
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -54,7 +57,14 @@ class Batch:
             # A TensorDict without a batch dimension cannot be indexed by row; Ray's round trip gave it [n] while the
             # local backend kept it and failed: both backends now get the row dimension here.
             tensors = TensorDict(dict(tensors.items()), batch_size=[n], device=tensors.device)
-        self.td = tensors if isinstance(tensors, TensorDict) else TensorDict(dict(tensors), batch_size=[n])
+        # A TensorDict given is copied shallowly (its tensors are shared, as the fields' values are): kept as it was,
+        # a key set on this batch (or a tensor made a field, deleted from the TensorDict) changed every other batch
+        # built on the same TensorDict, while the fields and meta were this batch's own.
+        self.td = (
+            tensors.clone(recurse=False)
+            if isinstance(tensors, TensorDict)
+            else TensorDict(dict(tensors), batch_size=[n])
+        )
         self.fields: dict[str, list[Any]] = {k: list(v) for k, v in (fields or {}).items()}
         self.meta: dict[str, Any] = dict(meta or {})
         self._n = n
@@ -108,8 +118,9 @@ class Batch:
         boolean mask (tensor or list) of exactly len(self) entries.
 
         Raises:
-            ValueError: a mask of the wrong length, an index tensor of more than one dimension, or a uint8 tensor
-                (torch reads one as a mask, its values read as indices: ambiguous).
+            ValueError: a mask of the wrong length, an index tensor of more than one dimension, a uint8 tensor
+                (torch reads one as a mask, its values read as indices: ambiguous), or a non-integer index (a float
+                tensor or entry: truncated, it picked another row).
             IndexError: an index out of range.
         """
         if isinstance(rows, slice):
@@ -122,6 +133,9 @@ class Batch:
                     raise ValueError(f"index: rows must be 1-d, got shape {tuple(rows.shape)}")
                 if rows.dtype == torch.uint8:  # torch reads it as a mask, a list of its values as indices
                     raise ValueError("index: a uint8 tensor is ambiguous (mask or indices): pass a bool mask or longs")
+                if (rows.is_floating_point() or rows.is_complex()) and rows.numel():
+                    # `int()` truncated each value (0.9 picked row 0); an empty one (torch.tensor([])) picks nothing
+                    raise ValueError(f"index: rows must be integers or a bool mask, got a {rows.dtype} tensor")
                 vals = rows.reshape(-1).tolist()
                 is_mask = rows.dtype == torch.bool
             else:
@@ -135,7 +149,7 @@ class Batch:
                 if len(vals) != self._n:
                     raise ValueError(f"index: boolean mask has {len(vals)} entries, batch has {self._n} rows")
                 vals = [i for i, keep in enumerate(vals) if keep]
-            idx = [int(i) for i in vals]
+            idx = [_row(i) for i in vals]
         bad = [i for i in idx if not -self._n <= i < self._n]
         if bad:
             raise IndexError(f"index: rows {bad[:5]} out of range for a batch of {self._n} rows")
@@ -255,6 +269,15 @@ class Batch:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.td = TensorDict(state["tensors"], batch_size=state.get("batch_size", [state["n"]]))
         self.fields, self.meta, self._n = state["fields"], state["meta"], state["n"]
+
+
+def _row(v: Any) -> int:
+    """An index entry as an int: ints, NumPy integers and integer 0-d tensors (`operator.index`); ValueError for
+    anything else (a float was truncated by `int()`: 2.7 picked row 2)."""
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"index: rows must be integers or a bool mask, got {v!r:.40} ({type(v).__name__})") from None
 
 
 def _is_bool(v: Any) -> bool:

@@ -18,11 +18,16 @@ The pictures of a turn go into its user message where the text has `<image>` mar
 
 `state_key` is the state key of an observation whose environment gives no `info["state"]` (GiGPO's anchor states):
 its text plus a digest of each picture's pixels, so two states that differ only in their pictures are never one.
+`info_state_key` is the key of an environment's own `info["state"]`: its text, with every array or tensor in it
+(NumPy's, torch's, in nested lists, tuples and dicts too) keyed by a digest of its dtype, shape and bytes, since
+printed, an array of more than 1,000 elements is summarised with "..." and different large boards shared a key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import numbers
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,3 +102,65 @@ def state_key(obs: Observation) -> str:
     from roll_core.multimodal import digest
 
     return text_of(obs) + "".join(f"\n[image {digest(im)}]" for im in images)
+
+
+def info_state_key(state: Any) -> str:
+    """The anchor-state key of an environment's `info["state"]` (GiGPO's step groups; roll_envs' held-out boards).
+
+    A state without arrays keys as its `str()`, as it always did (equal states share a key; a list and a tuple of
+    the same values print, and key, differently). An array or tensor, alone or inside lists, tuples and dicts, keys
+    by a digest of its dtype, shape and bytes instead of its text, which NumPy and torch summarise with "..." above
+    1,000 elements (two boards differing only in the middle shared one key, and their steps one group)."""
+    if not _holds_array(state):
+        return str(state)
+    return _keyed(state, top=True)
+
+
+def _is_array(x: Any) -> bool:
+    np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    return (np is not None and isinstance(x, np.ndarray)) or (torch is not None and isinstance(x, torch.Tensor))
+
+
+def _holds_array(x: Any) -> bool:
+    if _is_array(x):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_holds_array(v) for v in x)
+    if isinstance(x, dict):
+        return any(_holds_array(v) for v in x.values())
+    return False
+
+
+def _keyed(x: Any, top: bool = False) -> str:
+    """`str(x)` with each array replaced by its digest (containers print their entries' repr, as `str` does)."""
+    if _is_array(x):
+        return _array_digest(x)
+    if isinstance(x, list):
+        return "[" + ", ".join(_keyed(v) for v in x) + "]"
+    if isinstance(x, tuple):
+        inner = ", ".join(_keyed(v) for v in x)
+        return f"({inner},)" if len(x) == 1 else f"({inner})"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_keyed(v)}" for k, v in x.items()) + "}"
+    return str(x) if top else repr(x)
+
+
+def _array_digest(a: Any) -> str:
+    """`array(dtype, shape, digest)` of a NumPy array or torch tensor: equal for arrays equal in dtype, shape and
+    every element's bytes (a strided view keys as its contiguous copy)."""
+    import numpy as np
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        t = a.detach().cpu().contiguous()
+        dtype, shape = str(t.dtype), tuple(t.shape)
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    elif a.dtype.hasobject:  # Python objects: their text (the bytes are pointers)
+        dtype, shape = str(a.dtype), a.shape
+        data = _keyed(a.tolist()).encode()
+    else:
+        dtype, shape = a.dtype.str, a.shape
+        data = np.ascontiguousarray(a).tobytes()
+    h = hashlib.blake2b(f"{dtype}|{shape}|".encode(), digest_size=16)
+    h.update(data)
+    return f"array({dtype}, {tuple(shape)}, {h.hexdigest()})"

@@ -66,7 +66,7 @@ from typing import Any
 
 from roll_core.agentic.chat import TurnTemplate
 from roll_core.agentic.env_manager import EnvFailure, EnvManager
-from roll_core.agentic.observation import state_key
+from roll_core.agentic.observation import info_state_key, state_key
 from roll_core.agentic.resume_stops import split_stop
 from roll_core.agentic.trajectory import Trajectory
 from roll_core.agentic.turn_gate import GateClosed, TurnGate
@@ -295,7 +295,7 @@ class AgenticRollout:
                 by_context = len(token_ids) < lim.max_tokens_per_turn
                 traj.context_cut_turns += int(by_context)
                 traj.cut_turns += int(not by_context)
-            traj.state_keys.append(str(info["state"]) if "state" in info else state_key(obs))
+            traj.state_keys.append(info_state_key(info["state"]) if "state" in info else state_key(obs))
             traj.add_response(token_ids, logprobs)
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             traj.texts.append(text)

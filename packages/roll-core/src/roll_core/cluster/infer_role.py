@@ -18,6 +18,7 @@ was written into them: a mix, served under the old version. The abort waits unti
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from concurrent.futures import Future
@@ -28,7 +29,7 @@ import torch
 from roll_core.cluster.buckets import Bucket, SyncGroup, discard, open_cuda
 from roll_core.cluster.engine_worker import EngineWorker, build_engine
 from roll_core.cluster.group import Handle, WorkerGroup
-from roll_core.cluster.worker import Dispatch, dispatch
+from roll_core.cluster.worker import Dispatch, by_value, dispatch
 from roll_core.interfaces import InferEngine, Request, RequestOutput, SamplingParams
 from roll_core.interfaces.runtime import InferEngineRuntime
 from roll_core.protocol import Batch
@@ -227,8 +228,9 @@ class RequestHandle:
         return bool(ready)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
+        """The request's output (a copy of the engine's on the local backend, as Ray deserialises one per read)."""
         if isinstance(self._pending, Future):
-            return self._pending.result(timeout)
+            return _output_copy(self._pending.result(timeout))
         if timeout is None:
             return self._pending.result()
         import ray
@@ -283,6 +285,10 @@ class InferGroup(WorkerGroup[InferWorker]):
         self._inflight[rank] += 1
         self._rank_of[request.request_id] = rank
         if self.backend == "local":
+            # By value, as over Ray (roll_core.cluster.worker.by_value): the engine gets its own token list, so a
+            # caller changing its request after the submit (or an engine changing it) changes nothing on the other
+            # side; RequestHandle.result hands out a copy of the output for the same reason.
+            request = dataclasses.replace(request, prompt_ids=list(request.prompt_ids))
             fut = self.workers[rank].submit_local(request)
             fut.add_done_callback(lambda _f, r=rank, rid=request.request_id: self._collected(r, rid))
             return RequestHandle(request.request_id, rank, fut)
@@ -351,6 +357,20 @@ class _TrackedHandle(RequestHandle):
             raise
         self._collected(self.rank, self.request_id)
         return out
+
+
+def _output_copy(out: RequestOutput) -> RequestOutput:
+    """`out` by value: its lists and routing tensor copied (roll_core.cluster.worker.by_value), so the caller and the
+    engine (which may keep what it returned, or hand the request's own `prompt_ids` back) never share them."""
+    if not isinstance(out, RequestOutput):  # a test double's future: as it is
+        return out
+    return dataclasses.replace(
+        out,
+        prompt_ids=list(out.prompt_ids),
+        token_ids=list(out.token_ids),
+        logprobs=list(out.logprobs),
+        routed_experts=by_value(out.routed_experts),
+    )
 
 
 def _stable_hash(key: str) -> int:

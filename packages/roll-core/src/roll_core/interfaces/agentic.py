@@ -14,7 +14,8 @@ Info keys roll reads (all optional):
 - `success` (bool): the episode's goal was reached (success-rate metrics);
 - `state` (str): a canonical key of the environment state *before* the next action (GiGPO groups steps of a
   group's trajectories that share it); defaults to the observation text and a digest of each of its pictures'
-  pixels (roll_core.agentic.observation.state_key: states that differ only in their pictures stay apart);
+  pixels (roll_core.agentic.observation.state_key: states that differ only in their pictures stay apart); another
+  value keys as its text, with any NumPy array or tensor in it keyed by a digest of its bytes (`info_state_key`);
 - `tool_calls` (int): tool calls made in this step;
 - the counters of `INFO_COUNTERS` (int >= 0 each, this step's count): `tool_errors` (a tool raised),
   `ignored_tool_calls` (calls after the first of one reply, not run) and `tool_error_outputs` (a tool answered

@@ -8,8 +8,9 @@ boards, 24 of sokoban's 32 and every guess_number target also occur in training 
 measures play on the training distribution. `unseen_eval=True` makes it measure generalisation: a training seed
 whose board is a held-out one is skipped (the next one drawn instead). A seed's board is the environment's
 `board_key()` after `reset(seed)` where it has one (guess_number: its hidden number), else reset's info["state"]
-(the built-in games' canonical state), else the first observation; where the held-out boards leave too few training
-boards to draw from, `train_seeds` raises a ValueError naming the setting.
+(the built-in games' canonical state; None is none, arrays keyed by their bytes:
+roll_core.agentic.observation.info_state_key), else the first observation; where the held-out boards leave too few
+training boards to draw from, `train_seeds` raises a ValueError naming the setting.
 
 Demonstrations (`demonstrations: N`): N solved episodes, played by the environment's expert (`expert_reply()`) on
 seeds of their own (counted down from `DEMO_SEED_TOP`), are shown before every episode as earlier user/assistant turns.
@@ -30,6 +31,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from roll_core.agentic.observation import info_state_key
 from roll_core.interfaces import Env
 
 #: The first demonstration episode's seed; later ones count down from it.
@@ -257,11 +259,15 @@ class AgenticTask:
                     self._board_env = self.make_env()
                 env = self._board_env
                 obs, info = env.reset(seed=seed)
+                # The rollout's rule for a state (roll_core.agentic.step_values.checked_info): None is no state. Read
+                # as the text "None", every board of an environment without one was the same held-out board.
+                state = info.get("state") if isinstance(info, Mapping) else None
                 key = getattr(env, "board_key", None)
                 if callable(key):
                     board = str(key())
-                elif isinstance(info, dict) and "state" in info:
-                    board = str(info["state"])
+                elif state is not None:
+                    # an array's digest, not its text: printed, boards above 1,000 cells were summarised with "..."
+                    board = info_state_key(state)
                 else:  # pictures too: the observation's bytes
                     board = hashlib.sha256(pickle.dumps(obs)).hexdigest()
                 self._boards[seed] = board

@@ -10,8 +10,9 @@ the inference engine's context: a task's max_context_length longer than it is lo
 (roll_core.agentic.rollout.fit_engine_context; pipeline=agent's sessions too). Episodes whose environment
 failed at reset give nothing to train on (counted in data/dropped_episodes). An episode whose environment step
 raised or hung (end `env_error` / `env_timeout`) is, per the task's `on_failure`, trained with its failing turn's
-reward set to `failure_reward` (`score`, the default; 0.0) or dropped (`drop`, counted in data/dropped_episodes):
-either way it is counted in episode/end_<reason> and env/<counter>. An episode the rollout kept `untrained` (a turn
+reward set to `failure_reward` (`score`, the default; 0.0) or dropped (`drop`, counted in data/dropped_episodes,
+and, like an untrained episode, out of the reward and episode metrics: no outcome): either way it is counted in
+episode/end_<reason> and env/<counter>. An episode the rollout kept `untrained` (a turn
 the engine kept aborting, `pipeline.max_idle_aborts` times in a row without a token, or the collector closing, cut
 it: end `abort`, roll_core.agentic.rollout) is left out of the batch (no forward pass is spent on a row the loss
 would mask), counted in data/dropped_episodes and data/aborted_episodes, and out of the reward and episode metrics
@@ -194,12 +195,12 @@ class EpisodeCollector:
         )
         before = self.envs.counters()
         trajs = self.rollout.run(self.eval_seeds, list(range(len(self.eval_seeds))), params, first_slot=self.eval_slot)
-        score_failures(self.task, trajs)
+        drop = score_failures(self.task, trajs)
         after = self.envs.counters()
         # the held-out episodes' environment failures are eval's (eval/env_*), not the next training step's
         self._counters = {k: self._counters.get(k, 0) + after[k] - before.get(k, 0) for k in after}
-        m = episode_metrics(trajs, before, after)
-        n = sum(not t.untrained for t in trajs)  # the episodes with an outcome: the rates are over them
+        m = episode_metrics(trajs, before, after, drop_failures=drop)
+        n = sum(has_outcome(t, drop) for t in trajs)  # the episodes with an outcome: the rates are over them
         stderr = rate_stderr(m["reward/accuracy"], n)  # as roll-eval's (roll_core.evaluate.episode_result)
         return {
             "eval/accuracy": m["reward/accuracy"],  # = success rate (the summary and sweeps read it)
@@ -245,7 +246,7 @@ class EpisodeCollector:
         """Metrics, samples and the trajectory batch of finished episodes (None: nothing to train on)."""
         now = self.envs.counters()
         drop = score_failures(self.task, trajs)
-        out.update(episode_metrics(trajs, self._counters, now))
+        out.update(episode_metrics(trajs, self._counters, now, drop_failures=drop))
         self._counters = now
         self._log_episodes(step, trajs)
         # an environment that failed at reset gives nothing to train on; one that failed later, per on_failure; an
@@ -295,30 +296,44 @@ ENV_FAILURES = ("env_error", "env_timeout")
 def score_failures(task: Any, trajs: list[Trajectory]) -> bool:
     """Apply the task's failure policy to episodes an environment step ended: with `on_failure: score` (or a task
     without one) the failing turn's reward becomes `failure_reward` (0.0 without one), in place. Returns whether
-    failed episodes are to be dropped (`on_failure: drop`)."""
+    failed episodes are to be dropped (`on_failure: drop`): their rewards are left as they are (no outcome,
+    `episode_metrics(..., drop_failures=True)` leaves them out)."""
     policy = getattr(task, "on_failure", "score")
     if policy not in ("score", "drop"):
         raise ConfigError(f"env.on_failure={policy!r} must be score or drop")
+    if policy == "drop":  # scored anyway, a dropped episode's failure_reward was counted in reward/mean
+        return True
     reward = float(getattr(task, "failure_reward", 0.0))
     for t in trajs:
         if t.end in ENV_FAILURES and t.turn_rewards:
             t.turn_rewards[-1] = reward  # the rollout ended the episode on this turn's step
-    return policy == "drop"
+    return False
+
+
+def has_outcome(t: Trajectory, drop_failures: bool = False) -> bool:
+    """Whether episode `t` has an outcome the reward and episode metrics count: not `untrained`, and not an
+    environment failure under `on_failure: drop` (`drop_failures`)."""
+    return not t.untrained and not (drop_failures and t.end in ENV_FAILURES)
 
 
 def episode_metrics(
-    trajs: list[Trajectory], before: dict[str, int] | None, after: dict[str, int] | None
+    trajs: list[Trajectory],
+    before: dict[str, int] | None,
+    after: dict[str, int] | None,
+    drop_failures: bool = False,
 ) -> dict[str, float]:
     """Success rate, turns, invalid actions, tool calls (and the env's other info counters), lengths and end
     reasons of finished episodes; with `before`/`after` environment counters, their change (env/<counter>).
 
-    Every metric but the end reasons (episode/end_<reason>, over all episodes) is over the episodes with an outcome:
-    an `untrained` one (end `abort`: a turn aborted for good cut it) has a partial reward and a shortened length
-    that describe the engine, not the policy (they pulled reward/mean and the success rate down)."""
+    Every metric but the end reasons (episode/end_<reason>, over all episodes) is over the episodes with an outcome
+    (`has_outcome`): an `untrained` one (end `abort`: a turn aborted for good cut it) has a partial reward and a
+    shortened length that describe the engine, not the policy (they pulled reward/mean and the success rate down);
+    so has an episode an environment failure ended when `drop_failures` (`on_failure: drop`: failures are the
+    infrastructure's, and the episode is not trained)."""
     ends = Counter(t.end for t in trajs)
     n_all = max(len(trajs), 1)
     resumed = sum(t.resumed_turns for t in trajs)
-    trajs = [t for t in trajs if not t.untrained]
+    trajs = [t for t in trajs if has_outcome(t, drop_failures)]
     n = max(len(trajs), 1)
     turns = sum(t.turns for t in trajs)
     rewards = [t.reward for t in trajs] or [0.0]
