@@ -39,6 +39,32 @@ def test_a_mask_given_as_a_list_of_numpy_or_tensor_bools_selects_rows(mask) -> N
         _batch().index(mask[:4])
 
 
+class _Numpy1Bool:
+    """numpy 1.x's bool scalar as the protocol sees it: type named `bool_` in module `numpy`, an int-like 0/1."""
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    def __bool__(self) -> bool:
+        return self.value
+
+    def __index__(self) -> int:
+        return int(self.value)
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+
+_Numpy1Bool.__name__ = _Numpy1Bool.__qualname__ = "bool_"
+_Numpy1Bool.__module__ = "numpy"
+
+
+def test_a_mask_of_numpy_1x_bools_selects_rows() -> None:
+    """numpy 1.x names its bool scalar `bool_` (numpy 2: `bool`); such a list was read as row numbers 1, 0, 1, 0, 0."""
+    got = _batch().index([_Numpy1Bool(v) for v in (True, False, True, False, False)])
+    assert got["s"] == ["a", "c"]
+
+
 def test_a_uint8_index_tensor_is_refused_not_read_as_indices() -> None:
     """torch reads a uint8 tensor as a mask; Batch.index read its values as row numbers (rows 1, 0, 1, 0, 0)."""
     with pytest.raises(ValueError, match="uint8"):

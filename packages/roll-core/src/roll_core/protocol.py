@@ -286,7 +286,8 @@ def _is_bool(v: Any) -> bool:
         return True
     if isinstance(v, Tensor):
         return v.ndim == 0 and v.dtype == torch.bool
-    return type(v).__name__ == "bool" and type(v).__module__ == "numpy"  # np.bool_ (no numpy import needed)
+    # np.bool_ without importing numpy: named "bool" in numpy 2, "bool_" in numpy 1.x (roll-core pins neither)
+    return type(v).__name__ in ("bool", "bool_") and type(v).__module__ == "numpy"
 
 
 def _compact(t: Tensor) -> Tensor:
