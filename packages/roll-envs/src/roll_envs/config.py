@@ -137,7 +137,8 @@ class CodeRewardConfig:
     # Compare outputs token by token with numbers within this relative and absolute tolerance (e.g. 1e-6; two
     # integers still compare exactly); null: exact comparison up to trailing whitespace.
     float_tolerance: float | None = None
-    # Interpreter inside the sandbox; null: the one running roll (standard library only).
+    # Interpreter inside the sandbox; null: the one running roll (standard library only); a virtual environment's
+    # bin/python brings its site-packages (outside /tmp: the sandbox hides the host's /tmp).
     python: str | None = None
     # When no sandbox works here, run model programs as plain child processes with resource limits only (they can
     # read your files and reach the network) instead of refusing to start. A working sandbox is always used.

@@ -153,8 +153,9 @@ class PythonSandbox:
             if exposed:  # a configuration error, not a missing sandbox: never a reason to run unsandboxed
                 raise ValueError(
                     f"the sandbox's interpreter {self._interp.executable} (or extra_ro_binds) lives in a folder that "
-                    f"would show model programs secrets ({'; '.join(exposed)}): use a Python installed under its own "
-                    "prefix (env.reward.python), e.g. a virtual environment in a folder of its own"
+                    f"would show model programs secrets ({'; '.join(exposed)}): set env.reward.python to a Python "
+                    "whose prefix is not your home folder and holds no credentials (pyenv, uv, conda or the system "
+                    "Python; a virtual environment shows its base Python's prefix too: make it from such a Python)"
                 )
         # Warns (once per process) where no run cgroup can be made: run_memory_mb then holds nowhere.
         cgroup_available()
