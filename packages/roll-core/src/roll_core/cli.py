@@ -8,9 +8,11 @@ Config errors (unknown keys, wrong types, failed invariants) print one explained
 of a traceback, and so does a missing optional dependency of the chosen components (one line naming the pip
 extra, checked before anything is built), and a platform this machine cannot run (hw.platform, $ROLL_PLATFORM; one
 line saying why, exit 2), and flags Hydra refuses together (`-m` with `--cfg job`: one line, exit 2); any other
-error propagates with its full traceback. The job's return value is the run summary (final and best held-out
-accuracy), which Hydra sweepers optimise. A relative `pipeline.output_dir` is a folder under the directory
-roll-train was started in, also with `hydra.job.chdir=true`.
+error propagates with its full traceback. Hydra's `Error executing job with overrides: [...]` line is not printed
+above either (a single run's job error is raised after Hydra returns). Off a terminal (a log file) the libraries'
+progress bars are off (roll_core.library_bars): the log holds roll's one line per step. The job's return value is
+the run summary (final and best held-out accuracy), which Hydra sweepers optimise. A relative `pipeline.output_dir`
+is a folder under the directory roll-train was started in, also with `hydra.job.chdir=true`.
 Exit status of a signal (roll_core.pipelines.run_control): a run stopped by SIGINT/SIGTERM before its last step
 exits 128 + N after its checkpoint; one whose signal came in its last step or later is complete and exits 0 (its
 summary says what the signal skipped); one stopped while its pipeline was built says `stopped while building the
@@ -41,6 +43,7 @@ from roll_core.cli_dry_run import check_printed_config, command_line_clash
 from roll_core.config.compose import ConfigError, explain, to_object
 from roll_core.config.search_path import check_package_conflicts, primary_config_path
 from roll_core.errors import MissingExtraError, check_installed, missing_sweep_plugin
+from roll_core.library_bars import quiet_library_bars
 from roll_core.registry import register_all_configs
 
 log = logging.getLogger("roll")
@@ -98,12 +101,22 @@ def _hydra_task(cfg: Any) -> Any:
         from roll_core.sweep import run_sweep_job
 
         return run_sweep_job(cfg, run_job)
-    summary = run_job(cfg)
+    try:
+        summary = run_job(cfg)
+    except Exception as exc:
+        # Handed to train_main, which explains it (or raises it, traceback and all): raised here, Hydra first wrote
+        # `Error executing job with overrides: [...]` above roll's one-line message.
+        _job_errors.append(exc)
+        return None
     print(json.dumps(summary, indent=2))
     if summary.get("stopped_by_signal"):  # checkpoint written; 128 + N tells schedulers the run stopped early
         sys.exit(128 + int(summary["stopped_by_signal"]))
     # Sweepers (Optuna) minimise or maximise this value: the final held-out accuracy.
     return summary.get("final_eval_accuracy")
+
+
+#: The error a single run's job raised, for train_main to report after Hydra returns (see _hydra_task).
+_job_errors: list[Exception] = []
 
 
 def run_dir_overrides(args: list[str]) -> list[str]:
@@ -161,6 +174,7 @@ def train_main() -> None:
     import hydra
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_library_bars()  # a log file gets roll's one line per step, not transformers' bars (roll_core.library_bars)
     register_all_configs()  # each package's schemas and config folder (roll_core.config.search_path)
     try:
         check_package_conflicts()
@@ -188,7 +202,10 @@ def train_main() -> None:
     try:
         try:
             check_printed_config(sys.argv[1:])  # `--cfg job` prints without running: check what a run would refuse
+            _job_errors.clear()
             main()  # its first callback claims the run folder before Hydra writes into it (roll_core.run_folder)
+            if _job_errors:
+                raise _job_errors.pop()
         except FolderRefused as exc:
             raise exc.error from None
         except (Exception, SystemExit) as exc:
@@ -314,6 +331,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     writes the models already evaluated and exits 128 + N (roll_core.eval_stop)."""
     args = eval_parser().parse_intermixed_args(argv)  # options may sit between the models and the overrides
     logging.basicConfig(level=logging.WARNING)
+    quiet_library_bars()
     return run_eval(args, list(sys.argv if argv is None else ["roll-eval", *argv]))
 
 

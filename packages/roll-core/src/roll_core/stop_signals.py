@@ -5,12 +5,23 @@ Contract: `rearm()` (run by `__enter__`) installs `_handle` for both signals, fr
 delivers signals there; elsewhere it does nothing), and may run again after code that replaced the handlers (`ray.init`
 installs its own SIGTERM handler): the handlers found the first time are the ones `__exit__` puts back. Imports only
 the standard library, so the CLI's light paths can use it.
+
+An exception `_handle` raises is never lost: Python runs a signal handler wherever the main thread is, also inside a
+`__del__` or a weakref callback (torch and transformers run some while a model loads), where an exception is only
+printed (`Exception ignored in ...`) and the code goes on. Inside the block `sys.unraisablehook` sees such an
+exception of ours: it is not printed, and the same exception is raised again at the next point of the main thread
+outside the hook (a thread delivers the signal once more then; the handler raises it without calling `_handle`, so
+it counts once). A stop signal while a model loaded was lost so (1 Ctrl-C in 8 here): the run trained every step and
+exited 0.
 """
 
 from __future__ import annotations
 
+import _thread
 import signal
+import sys
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -22,22 +33,83 @@ class StopSignals:
 
     def __init__(self) -> None:
         self._old: dict[int, Any] = {}
+        # The exception the last signal raised (and its signal) until the block ends; a lost one waiting to be raised.
+        self._raised: tuple[BaseException, int] | None = None
+        self._lost: BaseException | None = None
+        self._hook: Any = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         raise NotImplementedError
+
+    def _dispatch(self, signum: int, frame: FrameType | None) -> None:
+        """The installed handler: `_handle`, remembering what it raises; a lost exception is raised again instead."""
+        if self._lost is not None:
+            if _inside(frame, _HOOK):  # not in the hook: Python would drop it there too
+                self._start_resend(signum)
+                return
+            lost, self._lost = self._lost, None
+            self._raised = (lost, signum)
+            raise lost.with_traceback(None)
+        try:
+            self._handle(signum, frame)
+        except BaseException as exc:
+            self._raised = (exc, signum)
+            raise
+
+    def _unraisable(self, info: Any) -> None:
+        """sys.unraisablehook inside the block: our exception, swallowed where Python cannot raise it, is raised
+        again (module docstring); anything else goes to the hook found on entry."""
+        raised = self._raised
+        if raised is None or info.exc_value is not raised[0]:
+            self._hook(info)
+            return
+        self._raised, self._lost = None, raised[0]
+        self._start_resend(raised[1])
+
+    def _start_resend(self, signum: int) -> None:
+        threading.Thread(
+            target=self._resend, args=(signum, threading.main_thread().ident), daemon=True, name="roll-stop-resend"
+        ).start()
+
+    def _resend(self, signum: int, main: int | None) -> None:
+        """Deliver `signum` to the main thread's handler once more (`_thread.interrupt_main`, as a signal arriving)
+        as soon as the main thread is out of `_unraisable` (the handler would run in it, at its next check), unless
+        the block ended or a signal raised the lost exception meanwhile."""
+        while self._lost is not None:
+            if not _inside(sys._current_frames().get(main), _HOOK):
+                _thread.interrupt_main(signum)
+                return
+            time.sleep(0.001)
 
     def rearm(self) -> None:
         """(Re)install the handlers; the ones found first are those restored on exit."""
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in STOP_SIGNALS:
-            old = signal.signal(sig, self._handle)
+            old = signal.signal(sig, self._dispatch)
             self._old.setdefault(sig, old)
 
     def __enter__(self) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         self.rearm()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if self._hook is not None and sys.unraisablehook == self._unraisable:
+            sys.unraisablehook = self._hook
+        self._hook, self._raised, self._lost = None, None, None
+
+
+def _inside(frame: FrameType | None, code: Any) -> bool:
+    """Whether `frame` or a frame that called it runs `code`."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_HOOK = StopSignals._unraisable.__code__

@@ -322,14 +322,19 @@ class StoppedWhileBuilding(KeyboardInterrupt):
 class BuildStop(StopSignals):
     """Context manager for a pipeline's build: the first SIGINT/SIGTERM raises `StoppedWhileBuilding`, a second
     KeyboardInterrupt (see the module docstring). `rearm()` installs the handlers again after code that replaced them
-    (`ray.init` installs Ray's own SIGTERM handler, which aborts the process with a stack dump)."""
+    (`ray.init` installs Ray's own SIGTERM handler, which aborts the process with a stack dump). The stop reaches the
+    caller as StoppedWhileBuilding also where a library replaced it: a bare KeyboardInterrupt out of a Ray wait is
+    turned back into it on exit, and one a library swallowed is raised at the next `rearm()` (one lost in a `__del__`
+    is raised again at once: roll_core.stop_signals)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.signum: int | None = None
+        self._aborted = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # the cleanup of the first one is running: abort it
+            self._aborted = True
             raise KeyboardInterrupt
         self.signum = signum
         log.warning(
@@ -338,3 +343,23 @@ class BuildStop(StopSignals):
             signal.Signals(signum).name,
         )
         raise StoppedWhileBuilding(signum)
+
+    def rearm(self) -> None:
+        """Install the handlers again; first, a stop signal whose StoppedWhileBuilding a library swallowed (an
+        `except BaseException` around a callback) stops the build here, late but not lost."""
+        if self.signum is not None and not self._aborted:
+            raise StoppedWhileBuilding(self.signum)
+        super().rearm()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        error = exc[1]
+        if (
+            self.signum is not None
+            and not self._aborted
+            and isinstance(error, KeyboardInterrupt)
+            and not isinstance(error, StoppedWhileBuilding)
+        ):
+            # Ray waits (ray.get, ray.wait: a worker's start) run the handler themselves and raise a bare
+            # KeyboardInterrupt in place of its StoppedWhileBuilding: roll-train printed a traceback, exit 1.
+            raise StoppedWhileBuilding(self.signum) from None
