@@ -1,6 +1,7 @@
 """Megatron optimizer checkpoints: `save_optimizer` writes, and `read_optimizer` then `write_optimizer` load, a
 Megatron distributed checkpoint of the optimizer state in a layout-independent format (a run resumes at any
-TP/PP/DP layout, with the same kind of optimizer: `optimizer_kind`); on CPU and without Apex/TE: quiet
+TP/PP/DP layout, with the same kind of optimizer: `optimizer_kind`; another kind is refused naming both kinds and
+both layouts, the saved one recorded as `parallel_layout`); on CPU and without Apex/TE: quiet
 dist_checkpointing calls and the workarounds that let Megatron-Core 0.16's distributed optimizer resume correctly
 (`prime_optimizer_state`, `torch_adam_steps_restored`), and the size of an optimizer's state
 (`optimizer_state_bytes`). A save starts no process that outlives it (`in_process_write_results`), and returns once
@@ -236,17 +237,38 @@ def optimizer_kind(optimizer: Any) -> str:
     return kind + (" (experts apart)" if ps.get_expert_model_parallel_world_size() > 1 else "")
 
 
+def parallel_layout() -> str:
+    """This process's parallel layout in the config's words (TP, PP, CP, EP and the data-parallel size), which a
+    checkpoint records (`optimizer_state`) so that a refusal to resume it names the layout that saved it."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        f"tensor_parallel_size={ps.get_tensor_model_parallel_world_size()}, "
+        f"pipeline_parallel_size={ps.get_pipeline_model_parallel_world_size()}, "
+        f"context_parallel_size={ps.get_context_parallel_world_size()}, "
+        f"expert_model_parallel_size={ps.get_expert_model_parallel_world_size()}, "
+        f"data-parallel size {ps.get_data_parallel_world_size()}"
+    )
+
+
 def optimizer_state(model: Any, optimizer: Any, step: int, loading: bool, per_step: int = 1) -> dict[str, Any]:
     """The optimizer's sharded state dict in a layout-independent format: the plain optimizer's is (each state
     tensor is a ShardedTensor of its parameter); the distributed optimizer's `fully_reshardable` format gathers its
     flat shards into per-parameter tensors too. With the schedule's `step` and the optimizer steps per training step
-    it was counted at (`per_step`: a resume with another number re-bases it, roll_engines.train._settings.rebased);
-    a load reads both from the checkpoint's common state (the template's are not used)."""
+    it was counted at (`per_step`: a resume with another number re-bases it, roll_engines.train._settings.rebased),
+    the optimizer's kind and the layout that saved it (`parallel_layout`, for `read_optimizer`'s refusal); a load
+    reads the step and count from the checkpoint's common state (the template's are not used)."""
     metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
     if loading:
         prime_optimizer_state(optimizer)
     state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=loading, metadata=metadata)
-    return {"optimizer": state, "step": step, "optimizer_steps_per_step": per_step, "kind": optimizer_kind(optimizer)}
+    return {
+        "optimizer": state,
+        "step": step,
+        "optimizer_steps_per_step": per_step,
+        "kind": optimizer_kind(optimizer),
+        "layout": parallel_layout(),
+    }
 
 
 def save_optimizer(folder: Path, model: Any, optimizer: Any, step: int, per_step: int = 1) -> None:
@@ -277,12 +299,16 @@ def read_optimizer(folder: Path, model: Any, optimizer: Any) -> dict[str, Any]:
             f"{folder} holds no Megatron distributed checkpoint (metadata.json): it is a weights-only "
             "folder, or one saved by an older roll whose per-rank optimizer files resume only at their layout"
         )
-    saved = dist_checkpointing.load_common_state_dict(str(folder)).get("kind")
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    saved = common.get("kind")
     if saved != optimizer_kind(optimizer):
+        # Both layouts named: a checkpoint written before roll recorded its layout says so.
+        where = common.get("layout", "a layout this checkpoint does not record")
         raise ValueError(
             f"{folder} holds a {saved} optimizer's state; this run uses a {optimizer_kind(optimizer)} "
-            "one (train_engine.use_distributed_optimizer; an expert optimizer exists at "
-            "expert_model_parallel_size > 1): resume with the settings that saved it (any TP/PP/DP layout)"
+            f"one (saved at {where}; this run at {parallel_layout()}; train_engine.use_distributed_optimizer; an "
+            "expert optimizer exists at expert_model_parallel_size > 1): resume with the settings that saved it "
+            "(any TP/PP/DP layout)"
         )
     primed = prime_optimizer_state(optimizer)  # a fresh optimizer's template (zeros), dropped again on failure
     try:
