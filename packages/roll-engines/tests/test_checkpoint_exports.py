@@ -5,8 +5,8 @@
   forward on the exported folder returned no cache; the engine itself keeps training without one after a save.
 - a vision-language model whose processor template (`chat_template.json`, the hub's legacy layout) differs from its
   tokenizer's (`tokenizer_config.json`) is exported with both where they were: transformers 5 saved the tokenizer's
-  as `chat_template.jinja`, which roll reads first, and `roll-eval` on the checkpoint rendered prompts with the
-  tokenizer's template instead of the one the run trained on.
+  as `chat_template.jinja`, which the tokenizer (and then roll) read first, and `roll-eval` on the checkpoint
+  rendered prompts with the tokenizer's template instead of the one the run trained on.
 
 (Weights, log-probs against plain transformers, tokenizer, generation config, ties, peft adapters and critics of
 every engine are checked by test_hf_engines, test_fsdp2_checkpoints, test_lora, test_megatron_* .)

@@ -1,14 +1,15 @@
 """A vision-language model's prompt processor: chat messages with pictures -> token ids + `MMInputs`.
 
 `VisionProcessor(path)` reads the model folder: the tokenizer, the image processor and the chat template (the
-processor's own `chat_template.jinja`/`.json` where the folder has one, else the tokenizer's). `encode_messages`
-renders the messages with the template (each picture one placeholder), tokenizes (adding the BOS a processor
-adds: `with_bos`), runs the image processor and
-expands each placeholder token into as many copies as that picture has features, as the model family's
-transformers processor does. The expansion is done here rather than by `AutoProcessor` because transformers'
-Qwen-VL processors also build a video processor that needs torchvision, which has no build matching the CPU torch
-wheel; the image processor itself runs on PIL. The family rule (`FAMILIES`) is the one place that knows how many
-tokens a picture takes; a family not listed is a ValueError naming the families that are.
+processor's own where the folder has one, picked as transformers picks it: `processor_config.json`'s, then
+`chat_template.json`, then `chat_template.jinja` (roll_core.multimodal.templates); else the tokenizer's).
+`encode_messages` renders the messages with the template (each picture one placeholder), tokenizes (adding the
+BOS a processor adds: `with_bos`), runs the image processor and expands each placeholder token into as many copies
+as that picture has features, as the model family's transformers processor does. The expansion is done here rather
+than by `AutoProcessor` because transformers' Qwen-VL processors also build a video processor that needs
+torchvision, which has no build matching the CPU torch wheel; the image processor itself runs on PIL. The family
+rule (`FAMILIES`) is the one place that knows how many tokens a picture takes; a family not listed is a ValueError
+naming the families that are.
 
 Messages follow transformers' multimodal chat format: a message's `content` is a string or a list of
 `{"type": "image"}` / `{"type": "text", "text": ...}` items. `as_content(text, n)` turns a row's text with `<image>`
@@ -45,6 +46,7 @@ from torch import Tensor
 
 from roll_core.multimodal.images import digest, load_image
 from roll_core.multimodal.inputs import MMInputs, check_tokens
+from roll_core.multimodal.templates import processor_template
 
 #: The marker data rows use for "a picture goes here" in a prompt text.
 IMAGE_MARKER = "<image>"
@@ -244,7 +246,7 @@ class VisionProcessor:
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
         self.image_processor = load_image_processor(path, min_pixels, max_pixels)
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.family.image_token))
-        self.chat_template = _processor_template(Path(path)) or self.tokenizer.chat_template
+        self.chat_template = processor_template(path) or self.tokenizer.chat_template
         # Whether the tokenizer puts a BOS before a text (Llama's does, Qwen's has none): see `with_bos`.
         bos = self.tokenizer.bos_token_id
         self._bos = bos if bos is not None and self.tokenizer("")["input_ids"][:1] == [bos] else None
@@ -335,11 +337,5 @@ def mrope_positions(model: Any, input_ids: Tensor, attention_mask: Tensor, mm: M
     return pos
 
 
-def _processor_template(folder: Path) -> str | None:
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    js = folder / "chat_template.json"
-    if js.is_file():
-        return json.loads(js.read_text()).get("chat_template")
-    return None
+#: The processor's own template of a folder, as transformers picks it (roll_core.multimodal.templates).
+_processor_template = processor_template

@@ -22,7 +22,8 @@ data key (`+data.chat_template_kwargs.enable_thinkng=true`) rendered every SFT/D
 
 The templates checked are the tokenizer's (a string, a dict of named templates, or the older list of
 `{"name", "template"}` entries: a key read by any of them passes) and, for a vision-language folder, the processor's
-own `chat_template.jinja` / `chat_template.json` (roll_core.multimodal.processor renders with it). A model with no
+own template (`processor_config.json`'s, `chat_template.json` or `chat_template.jinja`, picked as transformers picks
+it: roll_core.multimodal.templates; roll_core.multimodal.processor renders with it). A model with no
 chat template, or one whose template does not parse (its own error comes when it is rendered), is not checked.
 The variables are Jinja's undeclared names of the parsed source (jinja2.meta.find_undeclared_variables), so a name
 read only as `x is defined` counts as read. Imports jinja2 only when called.
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -126,8 +126,7 @@ def check_template_kwargs(
         raise ConfigError("\n".join(typos))
     for key in unused:
         log.warning(
-            "%s.%s: no chat template of this model reads %r, so it has no effect on the %s (the template "
-            "reads: %s)",
+            "%s.%s: no chat template of this model reads %r, so it has no effect on the %s (the template reads: %s)",
             where,
             key,
             key,
@@ -163,17 +162,11 @@ def check_config_template_kwargs(tokenizer: Any, cfg: Any, *, model_path: str | 
 
 
 def _processor_template(folder: Path) -> str | None:
-    """A vision-language processor's own template in `folder` (as roll_core.multimodal.processor reads it)."""
-    if not folder.is_dir():
-        return None
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    js = folder / "chat_template.json"
-    if js.is_file():
-        value = json.loads(js.read_text()).get("chat_template")
-        return value if isinstance(value, str) else None
-    return None
+    """A vision-language processor's own template in `folder`, the one roll_core.multimodal.processor renders with
+    (transformers' choice: roll_core.multimodal.templates)."""
+    from roll_core.multimodal.templates import processor_template
+
+    return processor_template(folder)
 
 
 @functools.cache

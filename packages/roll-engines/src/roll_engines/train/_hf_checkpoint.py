@@ -120,6 +120,15 @@ class HFWeightsAndCheckpoints:
         The optimizer checkpoint is resharded on load, so a run saved on N ranks resumes on M ranks (or on the
         single-process `hf` engine), from a shared filesystem or from per-node copies of the folder. Each rank
         returns once the files it wrote are flushed to disk (`fsync_written`).
+
+        `model` holds the trained parameters in their own dtype, train_engine.param_dtype (fp32 by default), not
+        model.dtype (the compute dtype): a model.dtype=bfloat16 run exports fp32 (config.json `dtype: float32`,
+        twice a bf16 base's size). They are the master weights: `load` (resume) reads them back from `model`, and no
+        other copy is kept, so a bf16 export would resume from rounded weights. Load or serve the folder in bf16 to
+        match the run's compute (`from_pretrained(..., dtype=torch.bfloat16)`, vLLM `--dtype bfloat16`). With LoRA
+        `model` is merged into the base, which is held in the compute dtype (a bf16 run's `model` is bf16); the
+        trained state is `adapter/` (param_dtype). (The `megatron` engine exports its compute dtype: its fp32
+        masters are in its optimizer checkpoint.)
         """
         folder = Path(folder)
         self._write(folder, tokenizer_path)

@@ -296,18 +296,19 @@ def save_processor(vision: Vision | None, path: str, folder: Path, trust_remote_
 
 def keep_processor_template(source: Path, folder: Path, trust_remote_code: bool = False) -> None:
     """Make the checkpoint `folder` (its tokenizer already saved) render prompts with the template the run rendered
-    them with: `source`'s processor template (roll_core.multimodal.processor reads `chat_template.jinja`, then
-    `chat_template.json`), falling back to the tokenizer's, which the saved tokenizer carries.
+    them with: `source`'s processor template (picked as transformers picks it: roll_core.multimodal.templates),
+    falling back to the tokenizer's, which the saved tokenizer carries.
 
     A hub folder in the legacy layout keeps the processor's template in `chat_template.json` and the tokenizer's in
-    `tokenizer_config.json`; transformers 5 saves the tokenizer's as `chat_template.jinja`, which roll reads first:
-    where the two templates differed, `roll-eval` on the checkpoint rendered every prompt with the tokenizer's
-    template, not the one the run trained on. The tokenizer's template then goes back into `tokenizer_config.json`
-    (where the tokenizer reads it when the folder has no `chat_template.jinja`) and the processor's into
-    `chat_template.json`, the source's layout, which roll and transformers' processors read alike."""
-    from roll_core.multimodal.processor import _processor_template
+    `tokenizer_config.json`; transformers 5 saves the tokenizer's as `chat_template.jinja`, which the tokenizer then
+    reads first (and roll's processor did too): where the two templates differed, `roll-eval` on the checkpoint
+    rendered every prompt with the tokenizer's template, not the one the run trained on. The tokenizer's template
+    then goes back into `tokenizer_config.json` (where the tokenizer reads it when the folder has no
+    `chat_template.jinja`) and the processor's into `chat_template.json`, the source's layout, which roll and
+    transformers' processors read alike."""
+    from roll_core.multimodal.templates import processor_template
 
-    template = _processor_template(source)
+    template = processor_template(source)
     if template is None:
         return
     jinja = folder / "chat_template.jinja"

@@ -119,8 +119,10 @@ class MegatronWeightsAndCheckpoints:
         peft adapter folder (the trained state; resume reads it, over the base of `model_path`).
 
         `model` holds the weights the model computes with, in their own dtype (the compute dtype, Megatron's
-        params_dtype, which config.json names), as the hf engine writes its parameters in theirs: a bf16 run's
-        folder is bf16. The fp32 masters are the optimizer's and travel in `optimizer` (resume restores them)."""
+        params_dtype, which config.json names): a model.dtype=bfloat16 run's folder is bf16, like its base's. The
+        fp32 masters are the optimizer's and travel in `optimizer` (resume restores them from there). The `hf` and
+        `fsdp2` engines differ: their parameters are the fp32 masters (train_engine.param_dtype) and resume reads
+        them back from `model`, so their folder is fp32 in the same run (roll_engines.train._hf_checkpoint `save`)."""
         import torch.distributed as dist
 
         folder = Path(folder)

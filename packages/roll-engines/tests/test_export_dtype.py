@@ -1,0 +1,87 @@
+"""The dtype of a `model.dtype=bfloat16` run's exported `model/` folder, engine by engine, as documented
+(docs/concepts/trainer-and-collectors.md, `save` of roll_engines.train._hf_checkpoint and .megatron._weights):
+- `hf`, `fsdp2`: the trained parameters, fp32 masters (train_engine.param_dtype), bit for bit: a resume reads them
+  back from `model/`, the only copy kept, so the folder cannot be bf16 without a resume from rounded weights;
+- with LoRA: the merged model in the compute dtype (the base is held in it; the adapter is `adapter/`);
+- `megatron`: the compute dtype (its fp32 masters are in `optimizer/`).
+(Megatron's saying that the hf engine wrote bf16 like it was wrong: it wrote fp32.)"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from roll_core.pipelines.objectives import PolicyObjective
+from roll_core.testing.batches import toy_batch
+from roll_core.testing.models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> str:
+    os.environ.setdefault("ROLL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    return tiny_model("qwen2", tmp_path_factory.mktemp("qwen2"), family="qwen2.5")
+
+
+@pytest.fixture
+def _release_distributed():
+    yield
+    import sys
+
+    import torch.distributed as dist
+
+    if "megatron.core" in sys.modules:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _build(name: str, base: str):
+    kw = {"lr": 1e-2, "dtype": "bfloat16"}
+    if name == "megatron":
+        pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]'")
+        from roll_engines.train.megatron.engine import MegatronTrainEngine
+
+        return MegatronTrainEngine(base, dist_backend="gloo", use_distributed_optimizer=False, **kw)
+    if name.startswith("fsdp2"):
+        from roll_engines.train.fsdp2 import FSDP2TrainEngine
+
+        lora = {"lora_rank": 4, "lora_alpha": 8.0} if name.endswith("lora") else {}
+        return FSDP2TrainEngine(base, dist_backend="gloo", **kw, **lora)
+    from roll_engines.train.hf import HFTrainEngine
+
+    return HFTrainEngine(base, **kw, **({"lora_rank": 4, "lora_alpha": 8.0} if name == "lora" else {}))
+
+
+@pytest.mark.usefixtures("_release_distributed")
+@pytest.mark.parametrize(
+    ("engine", "exported"),
+    [
+        ("hf", "float32"),
+        ("fsdp2", "float32"),
+        ("lora", "bfloat16"),
+        ("fsdp2_lora", "bfloat16"),
+        ("megatron", "bfloat16"),
+    ],
+)
+def test_a_bf16_runs_export_dtype_per_engine(base: str, tmp_path: Path, engine: str, exported: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    e = _build(engine, base)
+    e.train_step(toy_batch(base), PolicyObjective())
+    e.save(tmp_path, base)
+    folder = tmp_path / "model"
+    assert json.loads((folder / "config.json").read_text())["dtype"] == exported
+    saved = dict(AutoModelForCausalLM.from_pretrained(folder, dtype="auto").named_parameters())
+    assert {str(p.dtype) for p in saved.values()} == {f"torch.{exported}"}
+    if engine in ("hf", "fsdp2"):  # the masters themselves, which a resume reads back
+        masters = e.get_weights()
+        assert {str(w.dtype) for w in masters.values()} == {"torch.float32"}
+        for name, w in saved.items():
+            torch.testing.assert_close(w, masters[name], atol=0, rtol=0, msg=name)
