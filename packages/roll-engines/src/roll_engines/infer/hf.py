@@ -49,6 +49,7 @@ nothing to go back to: every new request is refused and running ones fail with a
 sync that completes has rewritten every tensor the failed one wrote (a full sync does). Nor have weights discarded
 by `sleep(level=2)` (refilled with NaN at `wake_up`): every parameter counts as discarded, and requests are refused
 until syncs that complete have rewritten all of them; a partial sync (changed-only) or a failed one does not lift it.
+A sync before that `wake_up` is refused (the storage is empty), and a lighter sleep meanwhile keeps level 2.
 """
 
 from __future__ import annotations
@@ -435,6 +436,10 @@ class HFInferEngine:
                     "finish it and sync again"
                 ) from undo.error
             try:
+                if self._sleeping == 2:  # the storage is empty: each weight would fail for its shape (0,)
+                    raise RuntimeError(
+                        f"{self.name} engine: sleep(level=2) discarded the weights; wake_up() before a weight sync"
+                    )
                 for name, value in named_tensors:
                     if name not in own:
                         raise KeyError(f"weight {name!r} is not in the inference model {type(self.model).__name__}")
@@ -535,7 +540,9 @@ class HFInferEngine:
                 self._mixed.discard({self._tensor_names.get(n, n) for n, _ in self.model.named_parameters()})
             elif self.device.type != "cpu":
                 self.model.to("cpu")
-            self._sleeping = level
+            # Never lower: a level-1 sleep after a level-2 one left the weights discarded, and `wake_up` then kept
+            # their empty storage (every later sync refused for its shapes).
+            self._sleeping = max(self._sleeping, level)
             if self.device.type != "cpu":
                 from roll_hw import current_platform
 
