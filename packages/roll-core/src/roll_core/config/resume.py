@@ -13,8 +13,12 @@ writes the run's config.yaml or loads anything:
   like a single one: each domain's reward weights and eval size may change, its reward class may not.
 
 So config.yaml, rewritten by the resumed run, records what is in effect. Train engine layouts (world size, TP/PP/DP)
-may change: the engines reshard their checkpoints (tests/e2e/test_megatron_ray.py, test_ray_engines.py); an
-optimizer structure the engine cannot reshard is refused by the engine's `load` with its own message.
+may change: the engines reshard their checkpoints (tests/e2e/test_megatron_ray.py, test_ray_engines.py). The train
+engine's kind may change within one of SAME_CHECKPOINTS (`hf` <-> `fsdp2`: one checkpoint format, each loading the
+other's at any world size), never to or from another (`megatron`). Megatron's optimizer structure is fixed too, where
+this check can see it: `train_engine.use_distributed_optimizer`, and `train_engine.expert_model_parallel_size`
+across 1 (SIDES: the experts' separate optimizer exists only above 1); a structure the config does not show is
+refused by the engine's `load` with its own message.
 
 May assume: both configs are plain nested dicts of the same schema family (YAML scalars, lists, dicts). Keys only
 one side has (a field added by an upgrade, another group's option) are reported as changes (a changed group shows
@@ -80,6 +84,32 @@ FIXED = (
     "distill.teachers",
 )
 
+#: Train engines that write one checkpoint format (roll_engines.train._hf_checkpoint: `model/` an HF folder,
+#: `optimizer/` a torch.distributed.checkpoint keyed by parameter name, `engine.pt` the schedule and loss scaler, LoRA
+#: `adapter/` in peft's format), each loading the others' at any world size (roll-engines' test_fsdp2_checkpoints.py,
+#: tests/e2e/test_ray_engines.py, test_resume_engine_switch.py): a resume may switch among them (an hf run resumed on
+#: fsdp2 over two GPUs), `train_engine._target_` -> `train_engine.name` of each.
+SAME_CHECKPOINTS: tuple[dict[str, str], ...] = (
+    {"roll_engines.train.hf.HFTrainEngine": "hf", "roll_engines.train.fsdp2.FSDP2TrainEngine": "fsdp2"},
+)
+
+#: Settings that may change within a run only on the same side of a bound: key -> (bound, why, each side's way out).
+#: Megatron builds a MoE model's expert parameters an optimizer of their own at expert_model_parallel_size > 1 and
+#: keeps them in the one optimizer at 1; its checkpoint loads into the same structure only (the engine's `load`
+#: refuses another: roll_engines.train.megatron._checkpoint.read_optimizer, after Ray and the inference engines
+#: started). Any size on the saved side (2 -> 4) reshards.
+SIDES: dict[str, tuple[int, str, tuple[str, str]]] = {
+    "train_engine.expert_model_parallel_size": (
+        1,
+        "Megatron keeps the experts' optimizer state apart above 1 and with the other parameters' at 1: the "
+        "checkpoint's optimizer loads into the structure that saved it only",
+        (
+            "resume with train_engine.expert_model_parallel_size=1",
+            "resume with train_engine.expert_model_parallel_size > 1 (any size that divides the data-parallel size)",
+        ),
+    ),
+}
+
 #: Fixed settings compared whole (a mapping whose entries may be added or removed: an entry on one side only is a
 #: change too, where a key present on one side only is otherwise taken as a setting this version added).
 FIXED_WHOLE = ("distill.teachers",)
@@ -141,6 +171,7 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], where: st
     """
     old, new = _flatten(saved), _flatten(current)
     lines, refused = [], []
+    switch = _engine_switch(saved, current)  # hf <-> fsdp2: the engine's kind may change (SAME_CHECKPOINTS)
     for key in sorted(old.keys() | new.keys()):
         if _matches(key, IGNORED):
             continue
@@ -148,7 +179,10 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], where: st
         if _same(a, b):
             continue
         line = f"{key}: {_show(a)} -> {_show(b)}"
-        if not is_fixed(key):
+        crossed = _crossed(key, a, b)
+        if crossed is not None:
+            refused.append(f"{line} ({crossed})")
+        elif not is_fixed(key) or (switch and key in _ENGINE_KIND):
             lines.append(line)
         elif a is not _ABSENT and b is not _ABSENT:
             refused.append(line)
@@ -189,6 +223,37 @@ def check_checkpoint(folder: str | Path, current: Any) -> list[str]:
     if saved is None:
         return [f"{folder} records no config (saved by an older roll): the settings were not compared"]
     return check_resume(saved, config_dict(current), where=str(folder))
+
+
+_ENGINE_KIND = ("train_engine._target_", "train_engine.name")
+
+
+def _engine_switch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """Whether both configs' train engines are of one of SAME_CHECKPOINTS (their `_target_` and `name`, where
+    given, agree with the group's entry): their kind may then change."""
+    for group in SAME_CHECKPOINTS:
+        sides = [_lookup(cfg, "train_engine") for cfg in (saved, current)]
+        if all(isinstance(side, Mapping) and _in_group(side, group) for side in sides):
+            return True
+    return False
+
+
+def _in_group(engine: Mapping[str, Any], group: Mapping[str, str]) -> bool:
+    target, name = engine.get("_target_"), engine.get("name")
+    if target is None:
+        return name is not None and name in group.values()
+    return target in group and name in (None, group[target])
+
+
+def _crossed(key: str, a: Any, b: Any) -> str | None:
+    """Why a change of `key` from `a` to `b` is refused (with the way out), where `key` is one of SIDES and the two
+    values lie on either side of its bound; None otherwise (absent or non-numeric values are not compared)."""
+    if key not in SIDES or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
+        return None
+    bound, why, ways = SIDES[key]
+    if (a > bound) == (b > bound):
+        return None
+    return f"{why}: {ways[a > bound]}, or start a new run"
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:

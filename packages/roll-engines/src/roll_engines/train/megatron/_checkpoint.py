@@ -1,7 +1,8 @@
 """Megatron optimizer checkpoints: `save_optimizer` writes, and `read_optimizer` then `write_optimizer` load, a
 Megatron distributed checkpoint of the optimizer state in a layout-independent format (a run resumes at any
 TP/PP/DP layout, with the same kind of optimizer: `optimizer_kind`; another kind is refused naming both kinds and
-both layouts, the saved one recorded as `parallel_layout`); on CPU and without Apex/TE: quiet
+both layouts, the saved one recorded as `parallel_layout`; a checkpoint the hf or fsdp2 engine wrote is refused
+naming that engine: `hf_family_engine`); on CPU and without Apex/TE: quiet
 dist_checkpointing calls and the workarounds that let Megatron-Core 0.16's distributed optimizer resume correctly
 (`prime_optimizer_state`, `torch_adam_steps_restored`), and the size of an optimizer's state
 (`optimizer_state_bytes`). A save starts no process that outlives it (`in_process_write_results`), and returns once
@@ -295,6 +296,15 @@ def read_optimizer(folder: Path, model: Any, optimizer: Any) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     if not (folder / "metadata.json").exists():
+        written_by = hf_family_engine(folder.parent)
+        if written_by is not None:
+            raise ValueError(
+                f"{folder.parent} is a checkpoint of train_engine={written_by}, not of train_engine=megatron: its "
+                "optimizer/ is a torch.distributed.checkpoint keyed by HF parameter names beside an engine.pt, which "
+                "Megatron cannot load. Resume it with the engine that wrote it (train_engine=hf and fsdp2 load each "
+                "other's checkpoints, at any world size), or start a new Megatron run from its weights "
+                f"(model.path={folder.parent / 'model'}; Adam's moments and the LR schedule start afresh)"
+            )
         raise FileNotFoundError(
             f"{folder} holds no Megatron distributed checkpoint (metadata.json): it is a weights-only "
             "folder, or one saved by an older roll whose per-rank optimizer files resume only at their layout"
@@ -319,6 +329,25 @@ def read_optimizer(folder: Path, model: Any, optimizer: Any) -> dict[str, Any]:
         for inner, p in primed:
             inner.state.pop(p, None)
         raise
+
+
+def hf_family_engine(folder: Path) -> str | None:
+    """Which engine of the hf family wrote checkpoint `folder` (`model/`, `optimizer/` and an `engine.pt`:
+    roll_engines.train._hf_checkpoint): "hf" or "fsdp2" as the config.yaml in `folder` or its parent records it (a
+    run's `actor/` folder lies in the step folder whose config.yaml roll_core.checkpoint writes), "hf or fsdp2" where
+    none says; None for a folder without an `engine.pt` (Megatron writes none)."""
+    import yaml
+
+    if not (folder / "engine.pt").is_file():
+        return None
+    for config in (folder / "config.yaml", folder.parent / "config.yaml"):
+        try:
+            name = (yaml.safe_load(config.read_text()) or {}).get("train_engine", {}).get("name")
+        except (OSError, yaml.YAMLError, AttributeError):  # absent, unreadable or not a run's config
+            continue
+        if name in ("hf", "fsdp2"):
+            return name
+    return "hf or fsdp2"
 
 
 def _staged(state: dict[str, Any], model: Any, optimizer: Any, primed: list[tuple[Any, Any]]) -> dict[str, Any]:
