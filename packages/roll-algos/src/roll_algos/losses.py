@@ -417,6 +417,10 @@ def value_loss(
 def entropy_from_logits(logits: Tensor, mask: Tensor | None = None) -> Tensor:
     """Per-token entropy of the softmax over the vocabulary, computed in fp32 (logsumexp form).
 
+    A logit of -inf (a token masked out: a padded vocabulary's extra rows, a truncated or constrained distribution)
+    has probability 0 and adds 0 (0 log 0 = 0), to the value and the gradient; the product p * x there was
+    0 * -inf = NaN.
+
     Args:
         logits: (B, T, V) any float dtype.
         mask: optional (B, T); masked positions are 0 in the output.
@@ -426,7 +430,8 @@ def entropy_from_logits(logits: Tensor, mask: Tensor | None = None) -> Tensor:
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)
     probs = torch.softmax(logits, dim=-1)
-    ent = lse - (probs * logits).sum(dim=-1)
+    # -inf logits read as 0 in the product (their probability is 0): no NaN, nor a NaN gradient through it.
+    ent = lse - (probs * logits.masked_fill(torch.isneginf(logits), 0.0)).sum(dim=-1)
     if mask is not None:
         ent = torch.where(_valid(mask, ent), ent, 0.0)
     return ent

@@ -17,7 +17,9 @@ their defaults (this pipeline ignores them), a teacher exists (the student's own
 context distillation; with neither the teacher would be the student itself), every domain of the task's training
 problems has a teacher, every routed domain exists, the teacher prompt's fields occur in the data, and every
 teacher tokenizes like the student (roll_core.posttrain `tokenizer_fingerprint`): the teacher scores the student's
-token ids, so another vocabulary would score other text.
+token ids, so another vocabulary would score other text; and every teacher's logits are at least as wide as the
+student's (config vocab_size, padding rows included: `check_vocabularies`), since the student can sample any of its
+rows.
 """
 
 from __future__ import annotations
@@ -280,6 +282,7 @@ def check_distill(cfg: Any, task: Any) -> None:
                 "its metadata (a data row's other columns): fix the template or the data"
             )
     check_tokenizers(cfg, {n: resolve_model_path(p) for n, p in paths.items()})
+    check_vocabularies(cfg, {n: resolve_model_path(p) for n, p in paths.items()})
 
 
 def _meta(problem: Any) -> dict[str, Any]:
@@ -312,6 +315,41 @@ def check_tokenizers(cfg: Any, teachers: dict[str, str]) -> None:
                 f"distill teacher {name} ({path}) tokenizes differently from the student ({student_tok}): a teacher "
                 "scores the student's token ids, so both must share one tokenizer (vocabulary, special tokens and "
                 "chat template)"
+            )
+
+
+def output_rows(path: str, trust_remote_code: bool) -> int | None:
+    """The logits' width of the model at `path` (its config's vocab_size, a multimodal one's text config's), None
+    when the config names none."""
+    from transformers import AutoConfig
+
+    mc = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    vocab = getattr(mc, "vocab_size", None) or getattr(getattr(mc, "text_config", None), "vocab_size", None)
+    return int(vocab) if vocab else None
+
+
+def check_vocabularies(cfg: Any, teachers: dict[str, str]) -> None:
+    """Every teacher has a logit for every id the student can sample: its config's vocab_size (the logits' width,
+    padding rows included, e.g. Qwen2.5-7B's 152064 against Qwen2.5-1.5B's 151936 over one 151665-token tokenizer)
+    is at least the student's. The student samples from all its rows, as vLLM does; an id in [teacher's, student's)
+    failed the teacher's scoring mid-run (its engine refuses an id outside its vocabulary), whenever a rollout first
+    drew one. A ConfigError naming both widths; a wider teacher is fine (its log-probs are normalised over its own
+    rows)."""
+    from roll_core.models import resolve_model_path
+
+    student_path = resolve_model_path(cfg.model.path)
+    remote = cfg.model.trust_remote_code
+    student = output_rows(student_path, remote)
+    for name, path in teachers.items():
+        if path == student_path or student is None:
+            continue  # the student's own model (context distillation), or nothing to compare
+        rows = output_rows(path, remote)
+        if rows is not None and rows < student:
+            raise ConfigError(
+                f"distill teacher {name} ({path}) has {rows} output rows (its config's vocab_size) but the student "
+                f"({student_path}) has {student}: the student samples from all its rows, and a token id in "
+                f"[{rows}, {student}) has no teacher log-prob (the teacher's engine would refuse the batch mid-run). "
+                "Use a teacher whose vocab_size is at least the student's (same tokenizer, wider or equal padding)"
             )
 
 

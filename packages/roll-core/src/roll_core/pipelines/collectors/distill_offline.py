@@ -21,7 +21,8 @@ Contract:
   model loads: its ids would index another vocabulary. Teacher ids outside the student's vocabulary (the model
   config's `vocab_size`: stored rows are checked against it when the collector is built, naming the row, besides
   the tokenizer's length when they are read), and teacher top-k not shaped like the rows' responses (B, R,
-  K = distill.topk), are an error.
+  K = distill.topk), are an error. A teacher whose config's vocab_size exceeds the student's (vocabulary padding)
+  is asked for its top-(K + the difference) and the first K of the student's ids are kept (`student_topk`).
 - Evaluation: on the held-out rows (`data.eval_path`, or `data.eval_size` rows of `data.path`), `eval/distill_kl`
   (the training loss's KL, token mean) and `eval/distill_top1_agreement` (the student's most likely token is the
   teacher's, over loss tokens), with no gradient: the actor's `compute_logprobs` cannot gather at given ids, so
@@ -94,6 +95,8 @@ class OfflineDistillCollector:
     plot_keys: tuple[str, ...] = ("distill/kl", "eval/distill_kl", "eval/accuracy")
     trajectories = False
     on_policy = False
+    #: The teacher's logits' width (its config's vocab_size); None: the student's (`vocab`).
+    teacher_vocab: int | None = None
 
     def __init__(self, ctx: CollectorContext) -> None:
         cfg = self.cfg = ctx.cfg
@@ -123,6 +126,8 @@ class OfflineDistillCollector:
             len(self.data.train), seed=cfg.pipeline.seed, window=cfg.pipeline.rollout_batch_size
         )
         self.vocab = _vocab_size(ctx.model_path, cfg)
+        # The teacher's logits' width: a wider one (more vocabulary padding) ranks ids the student has no row for.
+        self.teacher_vocab = _vocab_size(_teacher_path(cfg), cfg) if self.teacher is not None else None
         if self.teacher is None:
             for source in (self.data.train, self.data.eval):
                 if source is not None:
@@ -217,17 +222,27 @@ class OfflineDistillCollector:
         """The teacher's top-k of rows `todo`, into the cache (checked: ids in the student's vocabulary, finite)."""
         assert self.teacher is not None
         rows = source.batch(todo)
-        got = self.teacher.compute_logprobs(rows.select(*SCORE_KEYS), TEMPERATURE, topk=self.cfg.distill.topk)
+        k = self.cfg.distill.topk
+        # A teacher with E more rows than the student (vocabulary padding) is asked for its top-(K + E): at most E of
+        # them are ids the student lacks, and its top-K among the student's ids are kept (their log-probs still over
+        # the teacher's own rows; the dropped ids' mass is in the tail bucket). Asked for K, a padding id among them
+        # stopped the run.
+        width = self.teacher_vocab or self.vocab
+        ask = min(k + max(0, width - self.vocab), width)
+        got = self.teacher.compute_logprobs(rows.select(*SCORE_KEYS), TEMPERATURE, topk=ask)
         ids, lps = got["topk_ids"], got["topk_logprobs"].float()
         # (B, R, K) aligned with `responses`: other rows or another width would be cached as targets of the wrong
         # tokens (a short width padded with zeros: id 0 at log-prob 0 under response_mask 1).
-        want = (*rows["responses"].shape, self.cfg.distill.topk)
+        want = (*rows["responses"].shape, ask)
         if tuple(ids.shape) != want or tuple(lps.shape) != want:
             raise ValueError(
                 f"distill.teacher returned top-k of shape ids {tuple(ids.shape)}, log-probs {tuple(lps.shape)} for "
                 f"rows of responses {tuple(rows['responses'].shape)}: expected {want}, one list of "
-                f"distill.topk={self.cfg.distill.topk} per response token"
+                f"distill.topk={k} per response token"
+                + (f" (plus {ask - k}: the teacher's rows beyond the student's)" if ask > k else "")
             )
+        if ask > k:
+            ids, lps = student_topk(ids, lps, self.vocab, k)
         for j, i in enumerate(todo):
             n = len(source.items[i].response_ids)
             row_ids, row_lps = ids[j, :n], lps[j, :n]
@@ -370,6 +385,21 @@ def check_stored_ids(source: RowSource, vocab: int, model: str, tail: bool = Tru
                 f"(its config's vocab_size={vocab}: the model has no logit for it): the teacher's ids must index the "
                 "student model's vocabulary; drop or fix the row"
             )
+
+
+def student_topk(ids: torch.Tensor, logprobs: torch.Tensor, vocab: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `k` entries of each sorted top-k list (..., K') whose ids are below `vocab` (the student's rows), in
+    their order: (ids, log-probs) (..., k). A list with fewer than `k` such ids keeps ids >= `vocab` last (the
+    caller's check refuses them)."""
+    order = torch.argsort((ids >= vocab).to(torch.int8), dim=-1, stable=True)[..., :k]
+    return ids.gather(-1, order), logprobs.gather(-1, order)
+
+
+def _teacher_path(cfg: RLVRConfig) -> str:
+    """The resolved model path of the `default` teacher (distill.teacher)."""
+    from roll_core.models import resolve_model_path
+
+    return resolve_model_path(cfg.distill.teacher_paths(cfg.model.path)[TEACHER])
 
 
 def _vocab_size(model_path: str, cfg: RLVRConfig) -> int:
