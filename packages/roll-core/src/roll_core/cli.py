@@ -20,7 +20,9 @@ pipeline` in one line, after shutting down what was started, and exits 128 + N; 
 run says so in one line naming the checkpoint to resume from (roll_core.pipelines.loop.StopAborted), exit 128 + N of
 the first. A sweep a signal stopped exits
 128 + N after one line saying how many of its jobs finished, failed (naming them), were stopped and were not
-started, and where its summary is (roll_core.sweep_stop.SweepStopped).
+started, and where its summary is (roll_core.sweep_stop.SweepStopped). Once such a stop (or a signal in the last
+step) has been said, a further Ctrl-C while the process exits prints one line saying so, not a KeyboardInterrupt
+traceback from Python's shutdown; the next one, or SIGTERM, kills the process (roll_core.stop_signals.exiting).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from roll_core.config.search_path import check_package_conflicts, primary_config
 from roll_core.errors import MissingExtraError, check_installed, missing_sweep_plugin
 from roll_core.library_bars import quiet_library_bars
 from roll_core.registry import register_all_configs
+from roll_core.stop_signals import exiting
 
 log = logging.getLogger("roll")
 
@@ -110,7 +113,9 @@ def _hydra_task(cfg: Any) -> Any:
         return None
     print(json.dumps(summary, indent=2))
     if summary.get("stopped_by_signal"):  # checkpoint written; 128 + N tells schedulers the run stopped early
-        sys.exit(128 + int(summary["stopped_by_signal"]))
+        _exit_stopped(128 + int(summary["stopped_by_signal"]))
+    if summary.get("late_signal"):  # a signal in the last step: the run is complete; another one only says it exits
+        exiting("roll-train")
     # Sweepers (Optuna) minimise or maximise this value: the final held-out accuracy.
     return summary.get("final_eval_accuracy")
 
@@ -222,7 +227,7 @@ def train_main() -> None:
     except SweepStopped as exc:
         # a signal stopped the sweep: say what its jobs did (which failed, too: it exits before the line above)
         print(f"roll-train: {exc.report}", file=sys.stderr)
-        sys.exit(exc.code)
+        _exit_stopped(exc.code)
     except ConfigError as exc:
         print(f"roll-train: invalid config:\n{exc}", file=sys.stderr)
         sys.exit(2)
@@ -235,7 +240,7 @@ def train_main() -> None:
             raise
         # what the build (or the aborted run) had started is shut down and the run folder's lock released
         print(f"roll-train: {exc}", file=sys.stderr)
-        sys.exit(128 + signum)
+        _exit_stopped(128 + signum)
     except Exception as exc:
         from hydra.errors import ConfigCompositionException, OverrideParseException
         from omegaconf.errors import OmegaConfBaseException
@@ -256,6 +261,14 @@ def train_main() -> None:
             print(f"roll-train: run stopped: {exc}", file=sys.stderr)
             sys.exit(1)
         raise
+
+
+def _exit_stopped(code: int) -> None:
+    """Exit with `code` (128 + N) after a stop signal: a further Ctrl-C while Python shuts down (torch's atexit
+    callbacks, Ray's) says the process is exiting instead of printing a KeyboardInterrupt traceback `Exception ignored
+    in atexit callback`; the next one (or SIGTERM) kills it (roll_core.stop_signals.exiting)."""
+    exiting("roll-train")
+    sys.exit(code)
 
 
 def _end_unfinished_sweeps(exc: BaseException) -> None:

@@ -13,11 +13,19 @@ exception of ours: it is not printed, and the same exception is raised again at 
 outside the hook (a thread delivers the signal once more then; the handler raises it without calling `_handle`, so
 it counts once). A stop signal while a model loaded was lost so (1 Ctrl-C in 8 here): the run trained every step and
 exited 0.
+
+`exiting(program)` is for a process a stop signal already stopped, about to exit (its stop line printed): once Python
+shuts down, a further SIGINT no longer raises KeyboardInterrupt into the shutdown (a second Ctrl-C there printed
+`Exception ignored in atexit callback: <function _del_library ...>` and torch's traceback); it says once that the
+process is exiting, and the next one kills it at once (Python's default action), as SIGTERM does: a hung exit can
+still be killed.
 """
 
 from __future__ import annotations
 
 import _thread
+import atexit
+import os
 import signal
 import sys
 import threading
@@ -101,6 +109,33 @@ class StopSignals:
         if self._hook is not None and sys.unraisablehook == self._unraisable:
             sys.unraisablehook = self._hook
         self._hook, self._raised, self._lost = None, None, None
+
+
+def exiting(program: str) -> None:
+    """Before the exit of a process a stop signal stopped: from the start of Python's shutdown, the next SIGINT says
+    the process is exiting and the one after kills it; SIGTERM kills it (module docstring). Installed when the
+    shutdown starts (before the threads are joined and the atexit callbacks run), not now: a caller that catches
+    the SystemExit and goes on (a test, a notebook) keeps its handlers."""
+    register = getattr(threading, "_register_atexit", None)  # run before the threads are joined (Python >= 3.9)
+    try:
+        (register or atexit.register)(_install_exiting, program)
+    except RuntimeError:  # the shutdown has started
+        _install_exiting(program)
+
+
+def _install_exiting(program: str) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        try:  # not print(): the main thread may be inside a write to sys.stderr (a reentrant call raises)
+            os.write(2, f"{program}: the run is over, exiting (Ctrl-C again kills it now)\n".encode())
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGINT, note)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _inside(frame: FrameType | None, code: Any) -> bool:

@@ -100,6 +100,9 @@ class Pipeline:
         with BuildStop() as self._building:
             try:
                 self._build(cfg, output_dir)
+                # A stop a library swallowed after the build's last rearm() (a checkpoint's restore, the trainer's
+                # set-up) is raised here, not lost: the run trained every step and exited 0.
+                self._building.check()
             except BaseException:
                 # A run that fails while it is built (placement timeout, a model that does not load, a refused
                 # checkpoint, a stop signal) gives back what it started: Ray, placement groups, actors, the lock. A

@@ -324,8 +324,11 @@ class BuildStop(StopSignals):
     KeyboardInterrupt (see the module docstring). `rearm()` installs the handlers again after code that replaced them
     (`ray.init` installs Ray's own SIGTERM handler, which aborts the process with a stack dump). The stop reaches the
     caller as StoppedWhileBuilding also where a library replaced it: a bare KeyboardInterrupt out of a Ray wait is
-    turned back into it on exit, and one a library swallowed is raised at the next `rearm()` (one lost in a `__del__`
-    is raised again at once: roll_core.stop_signals)."""
+    turned back into it on exit, and one a library swallowed is raised at the next `rearm()` or `check()`, which the
+    pipeline calls at the end of its build (one lost in a `__del__` is raised again at once: roll_core.stop_signals).
+    A first signal inside `ray.init` is raised at the `rearm()` after it: raised there, it could land inside Ray's
+    CoreWorker constructor, whose half-made core worker `ray.shutdown()` cannot see; it was destroyed at the process's
+    exit while its threads ran (a segmentation fault, exit -11, after the stop line)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -337,6 +340,13 @@ class BuildStop(StopSignals):
             self._aborted = True
             raise KeyboardInterrupt
         self.signum = signum
+        if _in_ray_init(frame):  # raised by the rearm() after ray.init (see the class docstring)
+            log.warning(
+                "%s received while Ray starts: stopping once it has started, then shutting down what was started "
+                "(send it again to abort now)",
+                signal.Signals(signum).name,
+            )
+            return
         log.warning(
             "%s received while building the pipeline: stopping, shutting down what was started (send it again to "
             "abort now)",
@@ -344,11 +354,16 @@ class BuildStop(StopSignals):
         )
         raise StoppedWhileBuilding(signum)
 
-    def rearm(self) -> None:
-        """Install the handlers again; first, a stop signal whose StoppedWhileBuilding a library swallowed (an
-        `except BaseException` around a callback) stops the build here, late but not lost."""
+    def check(self) -> None:
+        """Raise StoppedWhileBuilding for a stop signal whose exception a library swallowed (an `except
+        BaseException` around a callback): the build stops here, late but not lost. The pipeline calls it once its
+        build is done, before the steps start: a stop swallowed after the last `rearm()` trained every step."""
         if self.signum is not None and not self._aborted:
             raise StoppedWhileBuilding(self.signum)
+
+    def rearm(self) -> None:
+        """Install the handlers again, after `check()`."""
+        self.check()
         super().rearm()
 
     def __exit__(self, *exc: Any) -> None:
@@ -363,3 +378,12 @@ class BuildStop(StopSignals):
             # Ray waits (ray.get, ray.wait: a worker's start) run the handler themselves and raise a bare
             # KeyboardInterrupt in place of its StoppedWhileBuilding: roll-train printed a traceback, exit 1.
             raise StoppedWhileBuilding(self.signum) from None
+
+
+def _in_ray_init(frame: FrameType | None) -> bool:
+    """Whether `frame` runs inside `ray.init` (its node's start, its driver's connection)."""
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "ray._private.worker" and frame.f_code.co_name in ("init", "connect"):
+            return True
+        frame = frame.f_back
+    return False
