@@ -325,6 +325,7 @@ VLLM_TESTS = [
     "packages/roll-engines/tests/test_vllm_routing.py",
     "packages/roll-engines/tests/test_vllm_sync_layouts.py",
     "packages/roll-engines/tests/test_vllm_device.py",
+    "packages/roll-engines/tests/test_vllm_load_bars.py",
 ]
 
 

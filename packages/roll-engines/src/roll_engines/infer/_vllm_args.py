@@ -114,6 +114,10 @@ def engine_args(
     }
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().lower() in ("1", "true", "yes", "on"):
+        # roll-train sets it off a terminal (roll_core.library_bars) and engine workers inherit it; vLLM's own
+        # "Loading safetensors checkpoint shards" bar does not read it and filled log files.
+        kwargs["use_tqdm_on_load"] = False
     if quantization:  # online: each weight sync's reload re-quantizes layer by layer (vLLM's layerwise reload)
         kwargs["quantization"] = quantization
     if vision:
