@@ -1,9 +1,13 @@
 """The launcher that runs first inside every sandbox: limits, identity, then the model's program.
 
 Its source is passed as
-`python -I -S -B -X utf8 -c <source> roll-sandbox-child MAIN READY_FD UID PARENT CPUS OFFSET SITE NAME=SOFT:HARD...`
-(READY_FD, UID, PARENT and SITE are `-` when unused), so it may import only the standard library, must not import roll,
-and imports as little as it can (every run pays for its start). It runs before any model code, in this order:
+`python -s -P -S -B -X utf8 -c <source> roll-sandbox-child MAIN READY_FD UID PARENT CPUS OFFSET SITE NAME=SOFT:HARD...`
+(READY_FD, UID, PARENT and SITE are `-` when unused; no `-P` before Python 3.11), so it may import only the standard
+library, must not import roll, and imports as little as it can (every run pays for its start). Not `-I`: the
+interpreter reads its environment (PYTHONHASHSEED=0, a fixed string hash), which the runner builds whole (bwrap's
+`--clearenv`, the unsandboxed child's `env`). Before Python 3.11 (no `-P`), the '' that `-c` puts first on
+`sys.path` (the working folder) is removed before anything is imported, as `-I` did. It runs before any model
+code, in this order:
 0. if a parent pid is given (unsandboxed runs, which have no bwrap `--die-with-parent`), ask the kernel for
    SIGKILL when the thread that started this process ends (roll's run thread, which waits for the run: so, when
    roll dies), and leave at once if that parent is already gone (it died before the request);
@@ -24,9 +28,13 @@ and imports as little as it can (every run pays for its start). It runs before a
 Nothing secret is in this process: expected outputs never enter the sandbox, they are compared outside it.
 """
 
+import sys
+
+if sys.path and sys.path[0] == "":  # Python < 3.11 has no -P: no module of the working folder shadows ours
+    del sys.path[0]
+
 import os
 import resource
-import sys
 
 
 def die_with_parent(parent: int) -> None:

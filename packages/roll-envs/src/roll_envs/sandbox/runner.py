@@ -48,8 +48,12 @@ Contract:
   `spawn`/`forkserver` start methods' workers, `subprocess`) is pinned as well and inherits the variables; under
   bubblewrap its `os.cpu_count()` says the count too (the sandbox's only /sys file,
   `/sys/devices/system/cpu/online`, which glibc reads: bwrap.py). Not covered: such an interpreter in an
-  unsandboxed run (or one not linked to glibc) sees the host's count before Python 3.13 (it starts with -I, which
-  ignores PYTHON_CPU_COUNT); pools sized in the program's own process, the usual case, are right in both modes.
+  unsandboxed run (or one not linked to glibc) sees the host's count before Python 3.13 (3.13+ reads the
+  PYTHON_CPU_COUNT it inherits); pools sized in the program's own process, the usual case, are right in both modes.
+- String hashes are fixed: every run's interpreter (and any it starts) gets PYTHONHASHSEED=0 (`bwrap.PROGRAM_ENV`),
+  so a program whose output follows a set's or dict's order of strings prints the same in every run and test (with
+  `-I` each run drew a random seed). It starts with `-s -P` instead of `-I` to read it; its environment is the
+  sandbox's alone (bwrap's `--clearenv`, the fallback's whole `env`): no host PYTHON* variable reaches it.
 """
 
 from __future__ import annotations
@@ -314,9 +318,17 @@ class PythonSandbox:
     def _python_argv(
         self, main: str, ready_fd: int, uid: int | None, parent: int | None, limits: SandboxLimits
     ) -> list[str]:
-        """The interpreter running `_child.py` under `limits` (its docstring says the arguments)."""
+        """The interpreter running `_child.py` under `limits` (its docstring says the arguments).
+
+        `-s -P`, not `-I` (= `-E -s -P`): the interpreter reads its environment, for `PYTHONHASHSEED`; that
+        environment is the sandbox's own (`bwrap.PROGRAM_ENV`, bwrap's `--clearenv` or the unsandboxed child's whole
+        `env`), so no host PYTHON* variable reaches it. Before 3.11 (no `-P`) `_child.py` drops the '' that `-c`
+        puts first on `sys.path`, before it imports anything.
+        """
         rlimits = [f"{name}={soft}:{hard}" for name, (soft, hard) in limits.rlimits().items()]
-        python = [self._interp.executable, "-I", "-S", "-B", "-X", "utf8", "-c", CHILD_SOURCE, CHILD_MARKER]
+        safe_path = ["-P"] if _version_tuple(self._interp.version) >= (3, 11) else []
+        flags = ["-s", *safe_path, "-S", "-B", "-X", "utf8"]
+        python = [self._interp.executable, *flags, "-c", CHILD_SOURCE, CHILD_MARKER]
         ids = ["-" if uid is None else str(uid), "-" if parent is None else str(parent)]
         cpus = limits.program_cpus
         site = os.pathsep.join(self._interp.site_dirs) or "-"
@@ -328,7 +340,7 @@ class PythonSandbox:
         with tempfile.TemporaryDirectory(prefix="roll-unsandboxed-") as work:
             main = os.path.join(work, "main.py")
             Path(main).write_text(code, encoding="utf-8", errors="replace")
-            env = {"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8"}
+            env = {**_bwrap.PROGRAM_ENV, "HOME": work}  # all of it: the interpreter reads its environment (no -E)
             # No bwrap --die-with-parent here: the child asks for SIGKILL when this process dies (`_child.py`).
             return self._captured(
                 self._python_argv(main, ready_w, None, os.getpid(), limits),
@@ -339,6 +351,11 @@ class PythonSandbox:
                 cwd=work,
                 env=env,
             )
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """`(3, 11, 7)` of "3.11.7" (`Interpreter.version`)."""
+    return tuple(int(part) for part in version.split(".")[:3])
 
 
 def run_cpus(limits: SandboxLimits) -> int:
