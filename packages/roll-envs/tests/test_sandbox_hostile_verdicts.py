@@ -35,6 +35,19 @@ BUDGET_S = 2.5  # room for two or three tests of 0.5 s: never all six
 
 
 @pytest.fixture(scope="module")
+def slow_clock() -> CodeReward:
+    """A program clock far above the slow programs' 0.3 s (a loaded machine must not turn them into timeouts), with
+    a budget (SLOW_BUDGET_S) that cuts the row after a test or two of its six."""
+    try:
+        return CodeReward(score_mode="fraction", timeout_s=3.0, parallelism=1)
+    except SandboxUnavailableError as exc:
+        pytest.skip(f"no working bubblewrap sandbox here (install roll-envs[code]): {exc}")
+
+
+SLOW_BUDGET_S = 1.0 + 3.0 + 0.5  # the start allowance and one program clock, plus room for a test or two
+
+
+@pytest.fixture(scope="module")
 def fraction() -> CodeReward:
     try:
         return CodeReward(score_mode="fraction", timeout_s=0.5, parallelism=1)
@@ -61,26 +74,38 @@ def test_passing_the_example_then_hanging_scores_its_passed_share(fraction: Code
     assert res.counters["program_timeouts"] == 1 and res.counters["unfinished"] == 0
 
 
-def test_a_slow_wrong_program_under_its_clock_stays_unfinished(fraction: CodeReward) -> None:
+def test_a_slow_wrong_program_under_its_clock_stays_unfinished(slow_clock: CodeReward) -> None:
     # Under the program clock (no timeout), wrong: only its own timeout judges a cut row (the budget is the batch's).
-    res = fraction.score([fenced("import time\ntime.sleep(0.4)\nprint('x')")], [TESTS], time_budget_s=BUDGET_S)
+    program = fenced("import time\ntime.sleep(0.3)\nprint('x')")
+    res = slow_clock.score([program], [TESTS], time_budget_s=SLOW_BUDGET_S)
     assert res.failed == [True] and res.counters["unfinished"] == 1 and res.counters["wrong_answers"] == 0
 
 
-def test_a_row_started_late_with_a_fast_wrong_test_is_not_scored_on_tests_it_never_ran(fraction: CodeReward) -> None:
+def test_a_row_started_late_with_a_fast_wrong_test_is_not_scored_on_tests_it_never_ran(
+    slow_clock: CodeReward, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Wrong on the first test only, fast: alone it scores 5/6. Started by the pool with room for one test left, it was
     # judged 0.0 (the five unrun tests counted as failed): the batch's time, not the program's, ran out.
     program = fenced("n = input()\nprint(int(n) + 1 if n == '0' else n)")
-    assert fraction.score([program], [TESTS]).scores == [pytest.approx(5 / 6)]
-    # Room for exactly one test: the start allowance and one program clock, plus less than any sandbox run takes.
-    deadline = time.monotonic() + 1.0 + 0.5 + 0.03
-    _, ok, has_code, kinds = fraction._score_one(program, TESTS, deadline)
+    assert slow_clock.score([program], [TESTS]).scores == [pytest.approx(5 / 6)]
+    run = slow_clock._run
+
+    def run_then_wait(code: str, stdin: str):  # each test also waits 0.3 s (other rows' turns on a busy pool)
+        res = run(code, stdin)
+        time.sleep(0.3)
+        return res
+
+    monkeypatch.setattr(slow_clock, "_run", run_then_wait)
+    # Room for exactly one test: the start allowance and one program clock, plus 0.15 s (< the 0.3 s wait).
+    deadline = time.monotonic() + 1.0 + 3.0 + 0.15
+    _, ok, has_code, kinds = slow_clock._score_one(program, TESTS, deadline)
     assert kinds == {"unfinished"} and not ok and has_code
 
 
-def test_a_row_that_passed_every_test_it_ran_stays_unfinished(fraction: CodeReward) -> None:
+def test_a_row_that_passed_every_test_it_ran_stays_unfinished(slow_clock: CodeReward) -> None:
     # Right but slow: the caller's budget, not the program, ended it; it is not judged (not scored as wrong).
-    res = fraction.score([fenced("import time\ntime.sleep(0.4)\nprint(input())")], [TESTS], time_budget_s=BUDGET_S)
+    program = fenced("import time\ntime.sleep(0.3)\nprint(input())")
+    res = slow_clock.score([program], [TESTS], time_budget_s=SLOW_BUDGET_S)
     assert res.failed == [True] and res.counters["unfinished"] == 1 and res.counters["wrong_answers"] == 0
 
 
