@@ -45,19 +45,28 @@ class StopSignals:
         self._raised: tuple[BaseException, int] | None = None
         self._lost: BaseException | None = None
         self._hook: Any = None
+        # `_lost` is taken under it: by the resend thread (which then delivers the signal once more) or by a caller
+        # raising the stop itself (`take_lost`), never both; `_resent` marks the delivery the thread made.
+        self._lost_lock = threading.RLock()  # reentrant: the handler may run in the main thread while it holds it
+        self._resent = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         raise NotImplementedError
 
     def _dispatch(self, signum: int, frame: FrameType | None) -> None:
         """The installed handler: `_handle`, remembering what it raises; a lost exception is raised again instead."""
+        resent, self._resent = self._resent, False
         if self._lost is not None:
             if _inside(frame, _HOOK):  # not in the hook: Python would drop it there too
                 self._start_resend(signum)
                 return
-            lost, self._lost = self._lost, None
-            self._raised = (lost, signum)
-            raise lost.with_traceback(None)
+            with self._lost_lock:
+                lost, self._lost = self._lost, None
+            if lost is not None:
+                self._raised = (lost, signum)
+                raise lost.with_traceback(None)
+        if resent:  # the thread's delivery of a stop the caller raised meanwhile (`take_lost`): not a new signal
+            return
         try:
             self._handle(signum, frame)
         except BaseException as exc:
@@ -69,7 +78,8 @@ class StopSignals:
         again (module docstring); anything else goes to the hook found on entry."""
         raised = self._raised
         if raised is None or info.exc_value is not raised[0]:
-            self._hook(info)
+            # After the block (a library that wrapped this hook meanwhile still calls it): Python's own hook.
+            (self._hook or sys.__unraisablehook__)(info)
             return
         self._raised, self._lost = None, raised[0]
         self._start_resend(raised[1])
@@ -84,10 +94,21 @@ class StopSignals:
         as soon as the main thread is out of `_unraisable` (the handler would run in it, at its next check), unless
         the block ended or a signal raised the lost exception meanwhile."""
         while self._lost is not None:
-            if not _inside(sys._current_frames().get(main), _HOOK):
-                _thread.interrupt_main(signum)
-                return
+            with self._lost_lock:
+                if self._lost is None:  # raised meanwhile (`take_lost`, a signal)
+                    return
+                if not _inside(sys._current_frames().get(main), _HOOK):
+                    self._resent = True
+                    _thread.interrupt_main(signum)
+                    return
             time.sleep(0.001)
+
+    def take_lost(self) -> BaseException | None:
+        """The swallowed exception waiting to be raised again, taken (the resend thread then delivers nothing): for
+        a caller that raises the stop itself. None when there is none."""
+        with self._lost_lock:
+            lost, self._lost = self._lost, None
+        return lost
 
     def rearm(self) -> None:
         """(Re)install the handlers; the ones found first are those restored on exit."""
@@ -108,7 +129,8 @@ class StopSignals:
             signal.signal(sig, old)
         if self._hook is not None and sys.unraisablehook == self._unraisable:
             sys.unraisablehook = self._hook
-        self._hook, self._raised, self._lost = None, None, None
+        with self._lost_lock:
+            self._hook, self._raised, self._lost = None, None, None
 
 
 def exiting(program: str) -> None:

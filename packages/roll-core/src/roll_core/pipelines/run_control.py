@@ -358,6 +358,9 @@ class BuildStop(StopSignals):
         """Raise StoppedWhileBuilding for a stop signal whose exception a library swallowed (an `except
         BaseException` around a callback): the build stops here, late but not lost. The pipeline calls it once its
         build is done, before the steps start: a stop swallowed after the last `rearm()` trained every step."""
+        # Taken, so the resend thread does not deliver it once more: raised again into the build's shutdown (the
+        # `except BaseException` that gives back Ray, placement groups and the run lock), it cut that shutdown short.
+        self.take_lost()
         if self.signum is not None and not self._aborted:
             raise StoppedWhileBuilding(self.signum)
 
