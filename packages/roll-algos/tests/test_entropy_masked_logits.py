@@ -24,3 +24,21 @@ def test_minus_inf_rows_add_nothing_to_the_entropy_nor_its_gradient() -> None:
     # by hand: two equally likely tokens and two masked ones have entropy log 2
     two = torch.tensor([[[0.0, 0.0, float("-inf"), float("-inf")]]])
     torch.testing.assert_close(entropy_from_logits(two), torch.tensor([[0.6931471805599453]]))
+
+
+def test_finite_logits_keep_no_extra_vocabulary_sized_copy_for_the_backward() -> None:
+    """The -inf handling must not cost every run memory: with finite logits, the backward keeps the fp32 logits and
+    the probabilities only (2 x B*T*V*4 bytes); a masked copy and its bool mask made it 3.25 x (at R=8192, V=152k:
+    ~6 GB more per micro-batch)."""
+    logits = torch.randn(2, 8, 1000, requires_grad=True)
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ent = entropy_from_logits(logits)
+    assert sum(kept.values()) <= 2 * logits.numel() * 4 + 1024
+    ent.sum().backward()  # still differentiable
+    assert torch.isfinite(logits.grad).all()
