@@ -72,3 +72,22 @@ def test_nothing_to_add_leaves_the_folder_as_it_was(folder: Path, tmp_path: Path
 def test_a_stop_token_the_folders_tokenizer_lacks_is_a_config_error(folder: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.stop_tokens: '<\|im_end\|>' is not a token"):
         add_stop_tokens(folder, ["<|im_end|>"])
+
+
+def test_a_failure_while_saving_is_a_warning_not_the_end_of_the_run(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trainer's save writes the stop ids after the weights: a tokenizer the driver cannot load (a missing
+    trust_remote_code module, an unreadable file) raised out of the save as a checkpoint error and ended the run."""
+    from roll_core.pipelines.exported_stops import export_stop_tokens
+
+    before = _gen(folder)
+    (folder / "tokenizer.json").write_text("{not json")
+    for name in ("tokenizer.model", "vocab.json", "merges.txt"):
+        (folder / name).unlink(missing_ok=True)
+    with pytest.raises(Exception):  # noqa: B017
+        add_stop_tokens(folder, ["<pad>"])
+    with caplog.at_level("WARNING", logger="roll_core.pipelines.exported_stops"):
+        assert export_stop_tokens(folder, ["<pad>"]) is None
+    assert "could not add model.stop_tokens ['<pad>']" in caplog.text and "the checkpoint is saved" in caplog.text
+    assert _gen(folder) == before

@@ -18,11 +18,34 @@ read them from the folder (docs/concepts/trainer-and-collectors.md).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 GENERATION_CONFIG = "generation_config.json"
+
+
+def export_stop_tokens(folder: str | Path, names: Sequence[str], trust_remote_code: bool = False) -> list[int] | None:
+    """`add_stop_tokens` for a checkpoint being saved: a failure (the folder's tokenizer not loadable where the
+    driver runs: a trust_remote_code module it lacks; an unreadable file) is one WARNING naming the folder and the
+    remedy, not an error: the weights are written, and a checkpoint must not end the run over its generation
+    config's eos list."""
+    try:
+        return add_stop_tokens(folder, names, trust_remote_code)
+    except Exception as exc:  # any failure here leaves the checkpoint usable (docstring)
+        log.warning(
+            "%s: could not add model.stop_tokens %s to %s's eos_token_id (%s: %s); the checkpoint is saved, but "
+            "plain generate() on it stops only on the base's eos ids: add their ids there by hand",
+            folder,
+            list(names),
+            GENERATION_CONFIG,
+            type(exc).__name__,
+            exc,
+        )
+        return None
 
 
 def merged_eos(base: int | Sequence[int] | None, extra: Sequence[int]) -> list[int]:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from roll_core.cluster.weight_sync import WeightSync
 from roll_core.config.schema import RLVRConfig
 from roll_core.pipelines.collectors import Collected
-from roll_core.pipelines.exported_stops import add_stop_tokens
+from roll_core.pipelines.exported_stops import export_stop_tokens
 from roll_core.pipelines.metrics import StepLog
 from roll_core.pipelines.objectives import Objective
 from roll_core.pipelines.wiring import Roles
@@ -122,7 +122,7 @@ class Trainer:
         if self.roles.actor_train is not None:
             self.roles.actor_train.save(str(folder / "actor"), tokenizer_path)
             model = self.cfg.model
-            add_stop_tokens(folder / "actor" / "model", model.stop_tokens, model.trust_remote_code)
+            export_stop_tokens(folder / "actor" / "model", model.stop_tokens, model.trust_remote_code)
         for name, critic in self._critics():
             critic.save(str(folder / name), tokenizer_path)
         # The RL objective's state sits at the top level ("kl"), where checkpoints before objectives kept it.
