@@ -55,3 +55,23 @@ def test_a_sync_into_discarded_weights_before_wake_up_says_so(
     engine.wake_up()
     engine.load_weights(new)
     assert torch.equal(engine.generate(PROMPTS, GREEDY).responses, fresh.generate(PROMPTS, GREEDY).responses)
+
+
+@pytest.mark.cuda
+def test_a_level_2_sleep_after_a_level_1_one_wakes_with_buffers_on_the_device(tiny: str) -> None:
+    """GPU path (skipped on CPU machines): a level-1 sleep moves the whole model, buffers included, to the host; the
+    level-2 wake-up rebuilt the parameters on the device only, leaving the buffers (rotary tables) on the host: the
+    next generate failed mixing devices."""
+    engine, fresh = HFInferEngine(tiny, device="cuda"), HFInferEngine(tiny, device="cuda")
+    try:
+        new = {k: v + 0.01 for k, v in fresh.model.state_dict().items()}
+        fresh.load_weights(new)
+        engine.sleep(level=1)
+        engine.sleep(level=2)
+        engine.wake_up()
+        engine.load_weights(new)
+        assert all(b.device.type == "cuda" for b in engine.model.buffers())
+        assert torch.equal(engine.generate(PROMPTS, GREEDY).responses, fresh.generate(PROMPTS, GREEDY).responses)
+    finally:
+        engine.shutdown()
+        fresh.shutdown()

@@ -554,6 +554,8 @@ class HFInferEngine:
                 for name, p in self.model.named_parameters():
                     # NaN, not leftover memory: a weight the sync forgot shows up at once instead of by chance.
                     p.data = torch.full(self._shapes[name], float("nan"), dtype=p.dtype, device=self.device)
+                if self.device.type != "cpu":  # the buffers too: a level-1 sleep before the level-2 one moved them
+                    self.model.to(self.device)  # to the host (GPU path; not run on CPU)
             elif self._sleeping == 1 and self.device.type != "cpu":
                 self.model.to(self.device)
             self._sleeping = 0
