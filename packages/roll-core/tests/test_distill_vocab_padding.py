@@ -2,10 +2,10 @@
 beyond the tokenizer's length, e.g. Qwen2.5-1.5B's 151936 rows and Qwen2.5-7B's 152064 over one 151665-token
 tokenizer).
 
-On-policy (`pipeline=distill`): the student samples from all its rows, so a teacher narrower than the student has no
-log-prob for the ids in between; that is refused before any model loads, naming both widths (it failed the teacher's
-scoring mid-run, at the first rollout that drew such an id). A teacher as wide or wider passes. Only the configs and
-tokenizers are written: the check reads nothing else."""
+On-policy (`pipeline=distill`): a teacher whose rows do not cover the tokenizer has no log-prob for real tokens the
+student can sample; that is refused before any model loads, naming both widths and the tokenizer's length. A teacher
+as wide or wider passes, and so does a narrower one covering the tokenizer (test_distill_narrow_teacher: its missing
+padding ids are left unscored). Only the configs and tokenizers are written: the check reads nothing else."""
 
 from __future__ import annotations
 
@@ -20,13 +20,12 @@ from roll_core.pipelines.collectors.distill import check_distill
 
 
 def _model(folder: Path, vocab: int) -> str:
-    """A folder holding the builtin tiny tokenizer and a Llama config of `vocab` output rows (>= its length)."""
+    """A folder holding the builtin tiny tokenizer (99 ids) and a Llama config of `vocab` output rows."""
     from transformers import LlamaConfig
 
     from roll_core.models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
-    assert vocab >= len(tok)
     tok.save_pretrained(folder)
     small = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     LlamaConfig(vocab_size=vocab, **small).save_pretrained(folder)
@@ -37,11 +36,12 @@ def _cfg(student: str, teacher: str):
     return load_config(["model=tiny", "pipeline=distill", f"model.path={student}", f"distill.teacher={teacher}"])
 
 
-def test_a_teacher_narrower_than_the_student_is_refused_naming_both_widths(tmp_path: Path) -> None:
+def test_a_teacher_lacking_real_token_ids_is_refused_naming_both_widths(tmp_path: Path) -> None:
     student = _model(tmp_path / "student", 128)
-    teacher = _model(tmp_path / "teacher", 112)
+    teacher = _model(tmp_path / "teacher", 96)  # ids 96..98 are the tokenizer's
     cfg = _cfg(student, teacher)
-    with pytest.raises(ConfigError, match=r"(?s)teacher default .* has 112 output rows .* has 128.*\[112, 128\)"):
+    want = r"(?s)teacher default .* has 96 output rows .* has 128 .*produces 99 ids.*\[96, 99\)"
+    with pytest.raises(ConfigError, match=want):
         check_distill(cfg, build(cfg.env))
 
 

@@ -17,9 +17,11 @@ their defaults (this pipeline ignores them), a teacher exists (the student's own
 context distillation; with neither the teacher would be the student itself), every domain of the task's training
 problems has a teacher, every routed domain exists, the teacher prompt's fields occur in the data, and every
 teacher tokenizes like the student (roll_core.posttrain `tokenizer_fingerprint`): the teacher scores the student's
-token ids, so another vocabulary would score other text; and every teacher's logits are at least as wide as the
-student's (config vocab_size, padding rows included: `check_vocabularies`), since the student can sample any of its
-rows.
+token ids, so another vocabulary would score other text; and every teacher's logits cover every id the tokenizer
+can produce (config vocab_size against the tokenizer's length and its largest id, added tokens included:
+`check_vocabularies`). A teacher narrower than the student but covering the tokenizer lacks only padding rows: the
+student samples them rarely, and the objective leaves such tokens unscored and counts them
+(roll_core.pipelines.objectives.distill).
 """
 
 from __future__ import annotations
@@ -328,28 +330,44 @@ def output_rows(path: str, trust_remote_code: bool) -> int | None:
     return int(vocab) if vocab else None
 
 
+def tokenizer_ids(tokenizer: Any) -> int:
+    """How many ids `tokenizer` can produce: its length, or one past its largest id (added tokens included) when
+    that is more (an added token's id may lie beyond the base vocabulary's length)."""
+    top = max(tokenizer.get_vocab().values(), default=-1)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return max(len(tokenizer), top + 1, max(added, default=-1) + 1)
+
+
 def check_vocabularies(cfg: Any, teachers: dict[str, str]) -> None:
-    """Every teacher has a logit for every id the student can sample: its config's vocab_size (the logits' width,
-    padding rows included, e.g. Qwen2.5-7B's 152064 against Qwen2.5-1.5B's 151936 over one 151665-token tokenizer)
-    is at least the student's. The student samples from all its rows, as vLLM does; an id in [teacher's, student's)
-    failed the teacher's scoring mid-run (its engine refuses an id outside its vocabulary), whenever a rollout first
-    drew one. A ConfigError naming both widths; a wider teacher is fine (its log-probs are normalised over its own
-    rows)."""
+    """Every teacher has a logit for every id the tokenizer can produce (`tokenizer_ids`): its config's vocab_size
+    (the logits' width) is at least that. A teacher narrower than the student over such a tokenizer (Qwen2.5-3B's
+    151936 rows under Qwen2.5-7B's 152064, one 151665-token tokenizer) lacks only padding rows: it is accepted, and
+    the objective leaves the student's rare samples of them unscored and counts them
+    (roll_core.pipelines.objectives.distill). A narrower teacher lacking real token ids is a ConfigError naming both
+    widths and the tokenizer's length; a wider teacher is fine (its log-probs are normalised over its own rows)."""
+    from transformers import AutoTokenizer
+
     from roll_core.models import resolve_model_path
 
     student_path = resolve_model_path(cfg.model.path)
     remote = cfg.model.trust_remote_code
     student = output_rows(student_path, remote)
+    needed: int | None = None
     for name, path in teachers.items():
         if path == student_path or student is None:
             continue  # the student's own model (context distillation), or nothing to compare
         rows = output_rows(path, remote)
-        if rows is not None and rows < student:
+        if rows is None or rows >= student:
+            continue
+        if needed is None:
+            tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or student_path, trust_remote_code=remote)
+            needed = tokenizer_ids(tok)
+        if rows < needed:
             raise ConfigError(
                 f"distill teacher {name} ({path}) has {rows} output rows (its config's vocab_size) but the student "
-                f"({student_path}) has {student}: the student samples from all its rows, and a token id in "
-                f"[{rows}, {student}) has no teacher log-prob (the teacher's engine would refuse the batch mid-run). "
-                "Use a teacher whose vocab_size is at least the student's (same tokenizer, wider or equal padding)"
+                f"({student_path}) has {student} and the tokenizer produces {needed} ids: token ids in "
+                f"[{rows}, {needed}) are real tokens the student can sample that the teacher has no log-prob for. "
+                "Use a teacher whose vocab_size covers the tokenizer (same tokenizer; padding rows may differ)"
             )
 
 
