@@ -35,8 +35,10 @@ Agentic tasks (env=sokoban, ...): one episode per held-out environment seed, thr
 evaluation, reporting success rate, mean turns and the invalid-action rate (n must be 1); agent programs
 (pipeline=agent) through theirs (accuracy and reward); `samples` caps the seeds, or the program's held-out rows
 (`first_eval_rows`). Their rates come with a standard error over the episodes
-(`success_rate_stderr`, `accuracy_stderr`: `episode_result`). Runs in this process (no Ray), one inference worker per
-model.
+(`success_rate_stderr`, `accuracy_stderr`: `episode_result`). An episode whose environment (or agent program) failed
+is an unsuccessful attempt in those rates whatever `env.on_failure` says (`failed_episodes`; `dropped_episodes`:
+those `drop` keeps out of training); only episodes the engine refused are left out (`aborted_episodes`). Runs in this
+process (no Ray), one inference worker per model.
 """
 
 from __future__ import annotations
@@ -261,22 +263,46 @@ def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[s
     `eval/n` episodes (one per held-out seed or row) that succeeded, so each comes with its standard error over
     those episodes (`<rate>_stderr`, roll_core.eval_metrics.rate_stderr; None for one episode).
 
-    Episodes the inference engine refused (an agent program's `eval/aborted_episodes`; an agentic task's end
-    `abort`, in `ends`) have no outcome and are left out of `n` and the rates: an agent program's count is
-    `aborted_episodes` (with `failed_episodes`, which count as unsuccessful) and a warning; before, `n` shrank with
-    no word of why.
+    Episodes the inference engine refused (`eval/aborted_episodes`; an agentic task's end `abort`, in `ends`) have
+    no outcome and are left out of `n` and the rates, with a warning naming their count (before, `n` shrank with no
+    word of why). Episodes an environment failure ended (an agentic task's env_error / env_timeout, an agent
+    program's failures: `failed_episodes`) are unsuccessful attempts in `n`, whatever `env.on_failure` says; those
+    `drop` keeps out of training are `dropped_episodes` (the collector warned). When every episode in `n` failed so,
+    a warning says the rate measures the environment's failures (an env_timeout may still be the model's: a program
+    it ran hung).
 
     Raises:
         ConfigError: no episode had an outcome (`eval/n` 0): the collector's rates are then 0.0 over nothing,
-            which was reported as an accuracy of 0.0000 on 0 held-out problems.
+            which was reported as an accuracy of 0.0000 on 0 held-out problems. Only the engine's refusals can
+            cause it: an environment failure is an unsuccessful attempt in `n` (under env.on_failure=drop it was
+            left out, and this error blamed the engine for episodes whose environment had failed).
     """
     n = int(m["eval/n"])
     aborted = int(m.get("eval/aborted_episodes") or 0)
-    if n < 1:
+    failed = int(m.get("eval/failed_episodes") or 0)
+    dropped = int(m.get("eval/dropped_episodes") or 0)
+    if n < 1:  # environment failures are in n: only the engine's refusals (or no episode at all) leave it empty
+        why = f"{aborted} episode(s) were refused by the inference engine" if aborted else "no episode was run"
         raise ConfigError(
-            f"env={task_name}: no held-out episode had an outcome ({aborted or 'every'} episode(s) were refused by "
-            "the inference engine, see the warnings above): there is no rate to report; give the engine room "
-            "(infer_engine.max_model_len, its memory) and evaluate again"
+            f"env={task_name}: no held-out episode had an outcome ({why}, see the warnings above): there is no rate "
+            "to report; give the engine room (infer_engine.max_model_len, its memory) and evaluate again"
+        )
+    if aborted:
+        log.warning(
+            "%d held-out episode(s) of %s were refused by the inference engine: left out of the rates, which are over "
+            "the %d episodes with an outcome",
+            aborted,
+            task_name,
+            n,
+        )
+    if failed and failed >= n:
+        log.warning(
+            "every one of the %d held-out episode(s) of %s ended in a failure of its environment or agent program "
+            "(%s): the rate of 0 counts them as unsuccessful attempts; check the environment (its log, "
+            "env.step_timeout_s) before reading it as the model's",
+            n,
+            task_name,
+            _failure_kinds(m) or f"{failed} failed",
         )
     out: dict[str, Any] = {
         "accuracy": m["eval/accuracy"],
@@ -285,17 +311,9 @@ def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[s
         "n": n,
         "task": task_name,
     }
+    out.update(aborted_episodes=aborted, failed_episodes=failed, dropped_episodes=dropped)
     if not agentic:  # an agent program: its collector's held-out accuracy and reward
-        if aborted:
-            log.warning(
-                "%d held-out episode(s) of %s were refused by the inference engine: left out of the accuracy, which "
-                "is over the %d episodes with an outcome",
-                aborted,
-                task_name,
-                n,
-            )
-        failed = int(m.get("eval/failed_episodes") or 0)
-        return {**out, "aborted_episodes": aborted, "failed_episodes": failed}
+        return out
     return {
         **out,
         "success_rate": m["eval/success_rate"],
@@ -308,6 +326,14 @@ def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[s
         "ends": {k.removeprefix("eval/end_"): v for k, v in m.items() if k.startswith("eval/end_")},
         "agentic": True,
     }
+
+
+def _failure_kinds(m: dict[str, Any]) -> str:
+    """How the held-out episodes of evaluate metrics `m` failed, counted from an agentic task's end shares:
+    `3 env_timeout, 1 env_error` ("" without them: an agent program's)."""
+    total = int(m.get("eval/n") or 0) + int(m.get("eval/aborted_episodes") or 0)
+    kinds = [f"{round(m[f'eval/end_{k}'] * total)} {k}" for k in ("env_timeout", "env_error") if m.get(f"eval/end_{k}")]
+    return ", ".join(kinds)
 
 
 def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:

@@ -17,7 +17,11 @@ tool's socket timeout is the program's failure), outlives `env.episode_timeout_s
 closed, its request in flight aborted, its next request refused with HTTP 410, and the task's `cancel_episode`
 stops what it started, e.g. a command's process group; the task itself raises `EpisodeTimeout` for the same limit)
 or reports no reward (`no_reward`) is counted in agent/failed_<kind> and, per `env.on_failure`, scored
-`env.failure_reward` (`score`) or dropped (`drop`). An episode without a sampled turn gives nothing to train on
+`env.failure_reward` (`score`) or dropped (`drop`: out of the batch, counted in data/dropped_episodes, and out of the
+reward and episode metrics, as pipeline=agentic drops its environment failures; a step whose every episode was left
+out logs no reward/* or episode rate). Evaluation drops nothing: a failed held-out episode is an unsuccessful attempt
+scored `env.failure_reward` whatever `on_failure` says, in eval/n and eval/failed_episodes (those `drop` keeps out
+of training also in eval/dropped_episodes, with a warning). An episode without a sampled turn gives nothing to train on
 (data/dropped_episodes). An episode that ended at `env.max_turns` or the context limit (its last request refused
 with HTTP 400) is not a failure, whatever the program did with the refusal, timing out included: it ended there,
 scored the reward it reported, else 0 (the limit is the policy's doing: dropping such episodes hid a policy that
@@ -32,7 +36,7 @@ A request in flight when its episode's session closes (the episode timed out) is
 the abort within `pipeline.async_abort_timeout_s`, or whose answer raises, is given up (roll_core.agentic.turn_gate)
 and counted per step in async/unanswered_aborts and async/failed_aborts.
 
-Metrics (reward and episode ones over the episodes with an outcome, i.e. not aborted): reward, success rate
+Metrics (reward and episode ones over the episodes with an outcome: not aborted, nor dropped): reward, success rate
 (reward >= env.success_reward), turns, generated tokens, tool calls, failures by kind, history rewrites and the
 turns they dropped, invalid tool-call blocks, turns resumed after the engine's own aborts, why episodes ended (a
 timed-out episode is episode/end_env_timeout, its aborted request in flight notwithstanding). Evaluation: one
@@ -205,10 +209,10 @@ class AgentCollector:
         params = self.ctx.sampling.replace(seed=derive_seed(pipe.seed, Purpose.ROLLOUT, step))
         with out.timer("generate"):
             episodes = self.run(runs, params)
-        out.update(agent_metrics(episodes))
+        drop = self.task.on_failure == "drop"
+        out.update(agent_metrics(episodes, drop_failures=drop))  # the metrics describe what is trained
         out.update(self.sessions.gate.stats())  # aborted requests given up since the last step (its evaluation's too)
         self._log_samples(step, episodes)
-        drop = self.task.on_failure == "drop"
         # An aborted episode's row is all masked: it would train nothing, yet its reward joined its group's statistics.
         kept = [e.traj for e in episodes if e.traj.turns > 0 and not e.aborted and not (drop and e.failure)]
         out["data/dropped_episodes"] = len(episodes) - len(kept)
@@ -231,7 +235,11 @@ class AgentCollector:
     def evaluate(self, step: int) -> dict[str, float | None]:
         """One episode per held-out row at the eval temperature (0: greedy); the success rate (also as eval/accuracy)
         with its standard error over the `eval/n` episodes with an outcome (`<rate>_stderr`,
-        roll_core.eval_metrics.rate_stderr; None for fewer than two)."""
+        roll_core.eval_metrics.rate_stderr; None for fewer than two). A failed episode is an unsuccessful attempt
+        (scored env.failure_reward) whatever env.on_failure says: in eval/n, and in eval/dropped_episodes (with a
+        warning) when `drop` keeps such episodes out of training."""
+        from roll_core.pipelines.collectors.episodes import warn_dropped
+
         t0 = time.perf_counter()
         rows = self.task.eval_rows()
         t = self.cfg.pipeline.eval_temperature
@@ -239,8 +247,15 @@ class AgentCollector:
             temperature=self.ctx.sampling.temperature if t is None else float(t),
             seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL),
         )
-        m = agent_metrics(self.run([(row, i) for i, row in enumerate(rows)], params))
+        episodes = self.run([(row, i) for i, row in enumerate(rows)], params)
+        m = {
+            **dict.fromkeys(("reward/mean", "episode/success_rate", "episode/turns_mean"), 0.0),
+            **agent_metrics(episodes),
+        }
         n = len(rows) - int(m["agent/aborted_episodes"])  # the episodes with an outcome: the rates are over them
+        dropped = int(m["agent/failed_episodes"]) if getattr(self.task, "on_failure", "score") == "drop" else 0
+        if dropped:
+            warn_dropped(dropped, len(episodes), "failed (agent/failed_*: an error, a timeout, no reward)")
         stderr = rate_stderr(m["episode/success_rate"], n)  # as roll-eval's (roll_core.evaluate.episode_result)
         return {
             "eval/accuracy": m["episode/success_rate"],  # the summary and sweeps read it
@@ -251,6 +266,7 @@ class AgentCollector:
             "eval/mean_turns": m["episode/turns_mean"],
             "eval/failed_episodes": m["agent/failed_episodes"],
             "eval/aborted_episodes": m["agent/aborted_episodes"],
+            "eval/dropped_episodes": float(dropped),  # failed, counted unsuccessful; on_failure=drop skips training
             "eval/n": float(n),
             "eval/seconds": time.perf_counter() - t0,
         }
@@ -391,12 +407,19 @@ def _as_number(value: Any) -> float | None:
     return None
 
 
-def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
+def agent_metrics(episodes: list[Episode], drop_failures: bool = False) -> dict[str, float]:
     """Reward, success, turns, tokens, tool calls and failures of finished episodes (failed ones with their
-    failure reward). The end reasons and the endpoint's counters are over every episode, the rest over those with an
-    outcome: an aborted one's partial length and reward describe the engine's refusal, not the policy."""
+    failure reward). The end reasons, the failure counts and the endpoint's counters are over every episode, the rest
+    over those with an outcome: not aborted (an aborted one's partial length and reward describe the engine's
+    refusal, not the policy), nor failed when `drop_failures` (`env.on_failure=drop` in training: the episode is not
+    trained, and the metrics describe what was). With none, the reward and episode metrics are absent (a reward/mean
+    of 0.0 over no episode read as a policy scoring 0)."""
     everyone, n_all = episodes, max(len(episodes), 1)
     episodes = [e for e in episodes if not e.aborted]
+    failures = Counter(e.failure for e in episodes if e.failure)
+    aborted = len(everyone) - len(episodes)
+    if drop_failures:
+        episodes = [e for e in episodes if not e.failure]
     n = max(len(episodes), 1)
     rewards = [e.reward for e in episodes] or [0.0]
     mean = sum(rewards) / len(rewards)
@@ -404,7 +427,6 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
     turns = sum(e.session.requests for e in episodes)
     # Per-turn rates over the turns kept in the trajectories (a history restart drops earlier requests' turns).
     kept = sum(e.traj.turns for e in episodes)
-    failures = Counter(e.failure for e in episodes if e.failure)
     out = {
         "reward/mean": mean,
         "reward/std": std,
@@ -419,7 +441,7 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
         "response/length_mean": sum(sum(e.traj.mask) for e in episodes) / max(kept, 1),
         "agent/failed_episodes": float(sum(failures.values())),
         # the engine refused the last request (503): not the agent's failure, not trained
-        "agent/aborted_episodes": float(len(everyone) - len(episodes)),
+        "agent/aborted_episodes": float(aborted),
         # requests the engine failed (500 engine_error): their episodes ended untrained, counted above
         "agent/engine_errors": float(sum(e.session.engine_errors for e in everyone)),
         "agent/history_rewrites": float(sum(e.session.rewrites for e in everyone)),
@@ -434,7 +456,22 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
         out[f"agent/failed_{kind}"] = float(failures.get(kind, 0))
     for reason, count in Counter(e.traj.end for e in everyone).items():
         out[f"episode/end_{reason}"] = count / n_all
+    if not episodes:  # no episode to average over
+        out = {k: v for k, v in out.items() if not k.startswith(_OVER_OUTCOMES)}
     return out
+
+
+#: The prefixes of `agent_metrics`' keys computed over the episodes with an outcome.
+_OVER_OUTCOMES = (
+    "reward/",
+    "episode/success_rate",
+    "episode/turns_mean",
+    "episode/tokens_mean",
+    "episode/tool_calls_mean",
+    "episode/cut_turn_rate",
+    "episode/context_cut_turn_rate",
+    "response/length_mean",
+)
 
 
 class _Agents:

@@ -11,8 +11,13 @@ the inference engine's context: a task's max_context_length longer than it is lo
 failed at reset give nothing to train on (counted in data/dropped_episodes). An episode whose environment step
 raised or hung (end `env_error` / `env_timeout`) is, per the task's `on_failure`, trained with its failing turn's
 reward set to `failure_reward` (`score`, the default; 0.0) or dropped (`drop`, counted in data/dropped_episodes,
-and, like an untrained episode, out of the reward and episode metrics: no outcome): either way it is counted in
-episode/end_<reason> and env/<counter>. An episode the rollout kept `untrained` (a turn
+and, like an untrained episode, out of the reward and episode metrics, which describe what was trained; a step
+whose every episode was left out logs no reward/* or episode rate at all, not a 0.0 over none): either way it is
+counted in episode/end_<reason> and env/<counter>. Evaluation drops nothing: a held-out episode an environment
+failure ended is an unsuccessful attempt whatever `on_failure` says (scored `failure_reward`, counted in eval/n and
+eval/failed_episodes; those `drop` would have kept out of training in eval/dropped_episodes, with a warning), since
+a timeout is often the policy's doing (a program it ran hung) and leaving them out raised the held-out success rate
+silently (3 timeouts and 1 success read 1.0 on eval/n 1). An episode the rollout kept `untrained` (a turn
 the engine kept aborting, `pipeline.max_idle_aborts` times in a row without a token, or the collector closing, cut
 it: end `abort`, roll_core.agentic.rollout) is left out of the batch (no forward pass is spent on a row the loss
 would mask), counted in data/dropped_episodes and data/aborted_episodes, and out of the reward and episode metrics
@@ -32,11 +37,13 @@ the task's data lost (DataCounts, roll_core.interfaces.tasks: data/skipped_rows,
 summary).
 Evaluation: one episode per held-out seed (greedy unless pipeline.eval_temperature says otherwise); eval/success_rate
 (= eval/accuracy) comes with its standard error over the eval/n episodes with an outcome (eval/success_rate_stderr,
-eval/accuracy_stderr: roll_core.eval_metrics.rate_stderr, as roll-eval reports it; None for fewer than two).
+eval/accuracy_stderr: roll_core.eval_metrics.rate_stderr, as roll-eval reports it; None for fewer than two): every
+episode but those the engine refused (eval/aborted_episodes), environment failures included (above).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from typing import Any
@@ -55,6 +62,8 @@ from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.metrics import StepLog
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
+
+log = logging.getLogger(__name__)
 
 
 def check_task(cfg: Any, task: Any) -> None:
@@ -195,12 +204,17 @@ class EpisodeCollector:
         )
         before = self.envs.counters()
         trajs = self.rollout.run(self.eval_seeds, list(range(len(self.eval_seeds))), params, first_slot=self.eval_slot)
-        drop = score_failures(self.task, trajs)
+        # every environment failure is scored failure_reward here, on_failure=drop or not: an unsuccessful attempt
+        drop = score_failures(self.task, trajs, held_out=True)
         after = self.envs.counters()
         # the held-out episodes' environment failures are eval's (eval/env_*), not the next training step's
         self._counters = {k: self._counters.get(k, 0) + after[k] - before.get(k, 0) for k in after}
-        m = episode_metrics(trajs, before, after, drop_failures=drop)
-        n = sum(has_outcome(t, drop) for t in trajs)  # the episodes with an outcome: the rates are over them
+        m = {**dict.fromkeys(OUTCOME_METRICS, 0.0), **episode_metrics(trajs, before, after)}  # 0.0 over none
+        n = sum(has_outcome(t) for t in trajs)  # the episodes with an outcome: the rates are over them
+        failed = sum(t.end in ENV_FAILURES for t in trajs)
+        dropped = failed if drop else 0
+        if dropped:
+            warn_dropped(dropped, len(trajs), "ended in an environment failure (env_error, env_timeout)")
         stderr = rate_stderr(m["reward/accuracy"], n)  # as roll-eval's (roll_core.evaluate.episode_result)
         return {
             "eval/accuracy": m["reward/accuracy"],  # = success rate (the summary and sweeps read it)
@@ -213,6 +227,9 @@ class EpisodeCollector:
             "eval/tool_calls_mean": m["episode/tool_calls_mean"],
             **{f"eval/{k}_mean": m[f"episode/{k}_mean"] for k in INFO_COUNTERS},
             "eval/n": float(n),
+            "eval/failed_episodes": float(failed),  # counted as unsuccessful, in eval/n
+            "eval/dropped_episodes": float(dropped),  # of those, what on_failure=drop keeps out of training
+            "eval/aborted_episodes": float(sum(t.untrained for t in trajs)),  # refused by the engine: not in eval/n
             **{f"eval/end_{k.removeprefix('episode/end_')}": v for k, v in m.items() if k.startswith("episode/end_")},
             **{f"eval/{k.removeprefix('env/')}": v for k, v in m.items() if k.startswith("env/")},
             "eval/seconds": time.perf_counter() - t0,
@@ -293,27 +310,58 @@ class EpisodeCollector:
 ENV_FAILURES = ("env_error", "env_timeout")
 
 
-def score_failures(task: Any, trajs: list[Trajectory]) -> bool:
+def score_failures(task: Any, trajs: list[Trajectory], held_out: bool = False) -> bool:
     """Apply the task's failure policy to episodes an environment step ended: with `on_failure: score` (or a task
     without one) the failing turn's reward becomes `failure_reward` (0.0 without one), in place. Returns whether
-    failed episodes are to be dropped (`on_failure: drop`): their rewards are left as they are (no outcome,
-    `episode_metrics(..., drop_failures=True)` leaves them out)."""
+    failed episodes are to be dropped (`on_failure: drop`): their rewards are then left as they are (no outcome,
+    `episode_metrics(..., drop_failures=True)` leaves them out), except for `held_out` episodes (evaluation), which
+    are scored `failure_reward` whatever the policy: evaluation counts every environment failure as an unsuccessful
+    attempt."""
     policy = getattr(task, "on_failure", "score")
     if policy not in ("score", "drop"):
         raise ConfigError(f"env.on_failure={policy!r} must be score or drop")
-    if policy == "drop":  # scored anyway, a dropped episode's failure_reward was counted in reward/mean
+    if policy == "drop" and not held_out:  # scored anyway, a dropped episode's failure_reward was in reward/mean
         return True
     reward = float(getattr(task, "failure_reward", 0.0))
     for t in trajs:
         if t.end in ENV_FAILURES and t.turn_rewards:
             t.turn_rewards[-1] = reward  # the rollout ended the episode on this turn's step
-    return False
+    return policy == "drop"
+
+
+def warn_dropped(dropped: int, total: int, how: str) -> None:
+    """The warning of an evaluation that counted `dropped` of its `total` held-out episodes, which `how` ended and
+    `env.on_failure=drop` keeps out of training, as unsuccessful attempts (eval/dropped_episodes)."""
+    log.warning(
+        "%d of %d held-out episode(s) %s: env.on_failure=drop keeps such episodes out of training, evaluation counts "
+        "them as unsuccessful attempts (in eval/n and eval/accuracy; eval/dropped_episodes)",
+        dropped,
+        total,
+        how,
+    )
 
 
 def has_outcome(t: Trajectory, drop_failures: bool = False) -> bool:
     """Whether episode `t` has an outcome the reward and episode metrics count: not `untrained`, and not an
-    environment failure under `on_failure: drop` (`drop_failures`)."""
+    environment failure under `on_failure: drop` (`drop_failures`, training only)."""
     return not t.untrained and not (drop_failures and t.end in ENV_FAILURES)
+
+
+#: The metrics `episode_metrics` computes over the episodes with an outcome: a step without one logs none of them.
+OUTCOME_METRICS = (
+    "reward/mean",
+    "reward/std",
+    "reward/accuracy",
+    "episode/success_rate",
+    "episode/turns_mean",
+    "episode/invalid_action_rate",
+    "episode/tool_calls_mean",
+    *(f"episode/{k}_mean" for k in INFO_COUNTERS),
+    "episode/cut_turn_rate",
+    "episode/context_cut_turn_rate",
+    "episode/length_mean",
+    "response/length_mean",
+)
 
 
 def episode_metrics(
@@ -328,17 +376,21 @@ def episode_metrics(
     Every metric but the end reasons (episode/end_<reason>, over all episodes) is over the episodes with an outcome
     (`has_outcome`): an `untrained` one (end `abort`: a turn aborted for good cut it) has a partial reward and a
     shortened length that describe the engine, not the policy (they pulled reward/mean and the success rate down);
-    so has an episode an environment failure ended when `drop_failures` (`on_failure: drop`: failures are the
-    infrastructure's, and the episode is not trained)."""
+    so has an episode an environment failure ended when `drop_failures` (`on_failure: drop` in training: the
+    episode is not trained, and the metrics describe what was). With no episode left, those metrics
+    (`OUTCOME_METRICS`) are absent: reward/mean 0.0 over no episode read as a policy scoring 0."""
     ends = Counter(t.end for t in trajs)
     n_all = max(len(trajs), 1)
     resumed = sum(t.resumed_turns for t in trajs)
     trajs = [t for t in trajs if has_outcome(t, drop_failures)]
-    n = max(len(trajs), 1)
+    if not trajs:  # nothing to average: the end reasons, the resumed turns and the env counters only
+        out = {"episode/resumed_turns": float(resumed)}
+        return _ends_and_counters(out, ends, n_all, before, after)
+    n = len(trajs)
     turns = sum(t.turns for t in trajs)
-    rewards = [t.reward for t in trajs] or [0.0]
-    mean = sum(rewards) / len(rewards)
-    std = (sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5 if len(trajs) > 1 else 0.0
+    rewards = [t.reward for t in trajs]
+    mean = sum(rewards) / n
+    std = (sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5 if n > 1 else 0.0
     out = {
         "reward/mean": mean,
         "reward/std": std,
@@ -356,6 +408,17 @@ def episode_metrics(
         "response/length_mean": sum(sum(t.mask) for t in trajs) / max(turns, 1),  # generated tokens per turn
         "episode/resumed_turns": float(resumed),  # turn requests an abort interrupted, resumed (partial rollout)
     }
+    return _ends_and_counters(out, ends, n_all, before, after)
+
+
+def _ends_and_counters(
+    out: dict[str, float],
+    ends: Counter[str],
+    n_all: int,
+    before: dict[str, int] | None,
+    after: dict[str, int] | None,
+) -> dict[str, float]:
+    """`out` with the end reasons' shares of all `n_all` episodes and the environment counters' change."""
     for reason, count in ends.items():
         out[f"episode/end_{reason}"] = count / n_all
     if before is not None and after is not None:
