@@ -157,7 +157,8 @@ def test_a_signal_inside_ray_init_is_raised_once_ray_init_returns() -> None:
     from roll_core.pipelines.run_control import BuildStop, StoppedWhileBuilding
 
     ray_worker: dict[str, Any] = {"__name__": "ray._private.worker", "signal": signal}
-    exec("def init(step):\n    return step()\n", ray_worker)  # a frame of ray._private.worker.init
+    # Frames of ray._private.worker: connect (the CoreWorker constructor) inside init.
+    exec("def connect(step):\n    return step()\ndef init(step):\n    return connect(step)\n", ray_worker)
     reached: list[str] = []
     with pytest.raises(StoppedWhileBuilding) as info:
         with BuildStop() as building:
@@ -166,6 +167,49 @@ def test_a_signal_inside_ray_init_is_raised_once_ray_init_returns() -> None:
             building.rearm()
             reached.append("built on")
     assert reached == ["connected", "init returned"] and info.value.signum == signal.SIGINT
+
+
+def test_a_signal_in_ray_init_s_wait_for_a_cluster_is_raised_at_once() -> None:
+    """Only the connection defers the stop: ray.init's wait for a cluster that does not answer retries for minutes,
+    and a stop deferred there waited as long (a second Ctrl-C was needed)."""
+    from roll_core.pipelines.run_control import BuildStop, StoppedWhileBuilding
+
+    ray_worker: dict[str, Any] = {"__name__": "ray._private.worker", "signal": signal}
+    exec("def init(step):\n    return step()\n", ray_worker)  # init's own frame, no connect
+    reached: list[str] = []
+    with pytest.raises(StoppedWhileBuilding):
+        with BuildStop():
+            ray_worker["init"](lambda: (signal.raise_signal(signal.SIGINT), reached.append("waited on")))
+    assert reached == []
+
+
+def test_an_error_after_a_deferred_stop_is_reported_as_the_stop() -> None:
+    """A stop deferred inside ray.init, then Ray's own error (it could not connect): the error escaped the build as a
+    failed run (exit 1) and the stop was lost; it is the stop (exit 130/143) with the error as its cause."""
+    from roll_core.pipelines.run_control import BuildStop, StoppedWhileBuilding
+
+    ray_worker: dict[str, Any] = {"__name__": "ray._private.worker", "signal": signal}
+    exec("def connect():\n    signal.raise_signal(signal.SIGINT)\n    raise ConnectionError('no GCS')\n", ray_worker)
+    with pytest.raises(StoppedWhileBuilding) as info:
+        with BuildStop():
+            ray_worker["connect"]()
+    assert info.value.signum == signal.SIGINT and isinstance(info.value.__cause__, ConnectionError)
+
+
+def test_a_swallowed_abort_does_not_let_the_build_finish() -> None:
+    """Two signals a library swallowed (the stop, then the abort): check() raised nothing once the abort was
+    recorded, so the build finished and training started."""
+    from roll_core.pipelines.run_control import BuildStop
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        with BuildStop() as building:
+            for _ in range(2):
+                try:
+                    signal.raise_signal(signal.SIGINT)
+                except BaseException:  # a library's catch-all
+                    pass
+            building.check()
+    assert type(info.value) is KeyboardInterrupt
 
 
 @pytest.mark.ray

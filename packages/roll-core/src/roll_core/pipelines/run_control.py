@@ -361,8 +361,9 @@ class BuildStop(StopSignals):
         # Taken, so the resend thread does not deliver it once more: raised again into the build's shutdown (the
         # `except BaseException` that gives back Ray, placement groups and the run lock), it cut that shutdown short.
         self.take_lost()
-        if self.signum is not None and not self._aborted:
-            raise StoppedWhileBuilding(self.signum)
+        if self.signum is not None:
+            # A swallowed abort (the second signal) is an abort still: the build must not finish and train.
+            raise KeyboardInterrupt if self._aborted else StoppedWhileBuilding(self.signum)
 
     def rearm(self) -> None:
         """Install the handlers again, after `check()`."""
@@ -375,18 +376,23 @@ class BuildStop(StopSignals):
         if (
             self.signum is not None
             and not self._aborted
-            and isinstance(error, KeyboardInterrupt)
+            and error is not None
             and not isinstance(error, StoppedWhileBuilding)
         ):
             # Ray waits (ray.get, ray.wait: a worker's start) run the handler themselves and raise a bare
-            # KeyboardInterrupt in place of its StoppedWhileBuilding: roll-train printed a traceback, exit 1.
-            raise StoppedWhileBuilding(self.signum) from None
+            # KeyboardInterrupt in place of its StoppedWhileBuilding: roll-train printed a traceback, exit 1. Any
+            # other error after a stop (a deferred one inside ray.init, then Ray's connection error) is the stop too,
+            # the error kept as its cause: the user asked to stop (exit 130/143), not a failed run (exit 1).
+            cause = None if isinstance(error, KeyboardInterrupt) else error
+            raise StoppedWhileBuilding(self.signum) from cause
 
 
 def _in_ray_init(frame: FrameType | None) -> bool:
-    """Whether `frame` runs inside `ray.init` (its node's start, its driver's connection)."""
+    """Whether `frame` runs inside `ray.init`'s driver connection (`connect`: the CoreWorker constructor, where a
+    raised stop left a half-made core worker). Not the rest of `init`: its wait for a cluster that does not answer
+    retries for minutes, and a stop deferred there waited as long."""
     while frame is not None:
-        if frame.f_globals.get("__name__") == "ray._private.worker" and frame.f_code.co_name in ("init", "connect"):
+        if frame.f_globals.get("__name__") == "ray._private.worker" and frame.f_code.co_name == "connect":
             return True
         frame = frame.f_back
     return False
