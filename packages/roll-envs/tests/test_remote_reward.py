@@ -308,7 +308,8 @@ def test_a_slow_service_keeps_what_it_scored_within_the_guards_batch_timeout(ser
     took = time.monotonic() - start
     guarded.close()
     done = [i for i, s in enumerate(res.scores) if s == float(len(responses[i]))]
-    assert took < 2.5 and done == list(range(len(done))) and len(done) >= 4, (took, res.scores)
+    # Well under the row-by-row rescoring's 7 s; the margin over 2 s is a loaded CI machine's (2.67 s seen there).
+    assert took < 4.0 and done == list(range(len(done))) and len(done) >= 4, (took, res.scores)
     assert res.counters["remote_timeouts"] == res.counters["failed_unscored"] == 12 - len(done)
     assert res.counters["timeouts"] == 0  # no cut-off, no row-by-row pass
 
