@@ -272,20 +272,27 @@ def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[s
     it ran hung).
 
     Raises:
-        ConfigError: no episode had an outcome (`eval/n` 0): the collector's rates are then 0.0 over nothing,
-            which was reported as an accuracy of 0.0000 on 0 held-out problems. Only the engine's refusals can
-            cause it: an environment failure is an unsuccessful attempt in `n` (under env.on_failure=drop it was
-            left out, and this error blamed the engine for episodes whose environment had failed).
+        ConfigError: no episode had an outcome (`eval/n` 0): the collector logs no rate then (a 0.0 over nothing
+            was reported as an accuracy of 0.0000 on 0 held-out problems). The engine's refusals, failed
+            environment resets and first prompts over the context can cause it (`eval/reset_failed_episodes`,
+            `eval/context_refused_episodes`: never attempted, out of `n`); the message names them. An environment
+            failure after a turn is an unsuccessful attempt in `n`.
     """
     n = int(m["eval/n"])
     aborted = int(m.get("eval/aborted_episodes") or 0)
     failed = int(m.get("eval/failed_episodes") or 0)
     dropped = int(m.get("eval/dropped_episodes") or 0)
-    if n < 1:  # environment failures are in n: only the engine's refusals (or no episode at all) leave it empty
-        why = f"{aborted} episode(s) were refused by the inference engine" if aborted else "no episode was run"
+    if n < 1:  # environment failures are in n: refusals and failed resets (or no episode at all) leave it empty
+        causes = (
+            (aborted, "were refused by the inference engine"),
+            (int(m.get("eval/reset_failed_episodes") or 0), "failed at their environment's reset"),
+            (int(m.get("eval/context_refused_episodes") or 0), "had a first prompt over the context limit"),
+        )
+        why = "; ".join(f"{k} episode(s) {what}" for k, what in causes if k) or "no episode was run"
         raise ConfigError(
             f"env={task_name}: no held-out episode had an outcome ({why}, see the warnings above): there is no rate "
-            "to report; give the engine room (infer_engine.max_model_len, its memory) and evaluate again"
+            "to report; check the environment (its log), give the engine room (infer_engine.max_model_len, its "
+            "memory, env.max_context_length) and evaluate again"
         )
     if aborted:
         log.warning(
@@ -331,7 +338,10 @@ def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[s
 def _failure_kinds(m: dict[str, Any]) -> str:
     """How the held-out episodes of evaluate metrics `m` failed, counted from an agentic task's end shares:
     `3 env_timeout, 1 env_error` ("" without them: an agent program's)."""
-    total = int(m.get("eval/n") or 0) + int(m.get("eval/aborted_episodes") or 0)
+    total = sum(
+        int(m.get(k) or 0)
+        for k in ("eval/n", "eval/aborted_episodes", "eval/reset_failed_episodes", "eval/context_refused_episodes")
+    )
     kinds = [f"{round(m[f'eval/end_{k}'] * total)} {k}" for k in ("env_timeout", "env_error") if m.get(f"eval/end_{k}")]
     return ", ".join(kinds)
 

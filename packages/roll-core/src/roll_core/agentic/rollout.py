@@ -49,7 +49,10 @@ against `max_context_length` like any other token. A policy may sample the pictu
 random model often does): such a turn cannot be trained on or sent back (the model would need a picture for that
 token), so the placeholder is a stop token of every turn and a turn that sampled it is cut from the trajectory,
 which ends there (`end="image_token"`, counted in episode/end_image_token; a first turn leaves nothing to train
-on: the episode is dropped, counted in data/dropped_episodes).
+on: the episode is dropped, counted in data/dropped_episodes and data/unsampled_episodes; its reward 0 still counts,
+the policy sampled it). An episode whose environment fails at reset, or whose first prompt leaves no room within
+`max_context_length` (end `max_context` with no turn), has no turn: the policy never acted, and the collectors
+keep it out of the reward metrics and eval/n (roll_core.pipelines.collectors._episode_drops).
 """
 
 from __future__ import annotations

@@ -46,6 +46,12 @@ REASONS: tuple[tuple[str, str, str], ...] = (
     ),
     ("env/env_errors", "environment errors", "check the environment's log"),
     ("env/env_timeouts", "environment timeouts", "check the environment, or raise its step timeout"),
+    ("data/reset_failed_episodes", "episodes whose environment failed at reset", "check the environment's log"),
+    (
+        "data/context_refused_episodes",
+        "episodes whose first prompt left no room within the context",
+        "raise env.max_context_length (and infer_engine.max_model_len) or shorten the task's first observation",
+    ),
     ("data/dropped_episodes", "episodes dropped: no sampled turn, aborted, or failed with env.on_failure=drop", ""),
     (
         "data/dropped_groups",

@@ -12,25 +12,28 @@ so the batch is trajectories like `pipeline=agentic`'s: the first prompt is the 
 response with a loss mask of 1 on sampled tokens only, the behaviour log-probs, `group_ids` (one group per task
 row) and the turn tensors; the episode's reward sits on its last turn.
 
-Failures end the episode, never the run: a program that raises (`error`, a TimeoutError of its own included: a
-tool's socket timeout is the program's failure), outlives `env.episode_timeout_s` (`timeout`: its session is
-closed, its request in flight aborted, its next request refused with HTTP 410, and the task's `cancel_episode`
-stops what it started, e.g. a command's process group; the task itself raises `EpisodeTimeout` for the same limit)
-or reports no reward (`no_reward`) is counted in agent/failed_<kind> and, per `env.on_failure`, scored
-`env.failure_reward` (`score`) or dropped (`drop`: out of the batch, counted in data/dropped_episodes, and out of the
-reward and episode metrics, as pipeline=agentic drops its environment failures; a step whose every episode was left
-out logs no reward/* or episode rate). Evaluation drops nothing: a failed held-out episode is an unsuccessful attempt
-scored `env.failure_reward` whatever `on_failure` says, in eval/n and eval/failed_episodes (those `drop` keeps out
-of training also in eval/dropped_episodes, with a warning). An episode without a sampled turn gives nothing to train on
-(data/dropped_episodes). An episode that ended at `env.max_turns` or the context limit (its last request refused
-with HTTP 400) is not a failure, whatever the program did with the refusal, timing out included: it ended there,
-scored the reward it reported, else 0 (the limit is the policy's doing: dropping such episodes hid a policy that
-loops on tool calls). An episode whose last request the engine refused (HTTP 503 `engine_aborted`, no turn sampled
-after it: the session keeps it `untrained`, end `abort`) is no failure of the agent's, whatever the program did with
-the refusal: like `pipeline=agentic`'s untrained episodes it is left out of the batch (its row would train nothing
-yet count in its group's reward statistics), counted in data/dropped_episodes and data/aborted_episodes
-(agent/aborted_episodes), not in agent/failed_*, and out of the reward and episode metrics; only episode/end_abort
-counts it.
+Failures end the episode, never the run: a program that raises (`error`, a TimeoutError of its own included: a tool's
+socket timeout is the program's failure), outlives `env.episode_timeout_s` (`timeout`: its session is closed, its
+request in flight aborted, its next request refused with HTTP 410, and the task's `cancel_episode` stops what it
+started, e.g. a command's process group; the task itself raises `EpisodeTimeout` for the same limit) or reports no
+reward (`no_reward`) is counted in agent/failed_<kind> and, per `env.on_failure`, scored `env.failure_reward` (`score`)
+or dropped (`drop`: out of the batch, counted in data/failure_dropped_episodes, and out of the reward and episode
+metrics, as pipeline=agentic drops its environment failures; a step whose every episode was left out logs no reward/* or
+episode rate). Evaluation drops nothing: a failed held-out episode is an unsuccessful attempt scored
+`env.failure_reward` whatever `on_failure` says, in eval/n and eval/failed_episodes (those `drop` keeps out of training
+also in eval/dropped_episodes, with a warning). An episode without a sampled turn gives nothing to train on
+(data/unsampled_episodes; a failed one is still scored in the reward metrics, its failure is the program's); one whose
+first request the context refused (HTTP 400, no turn sampled) was never an attempt of the policy: out of the reward and
+episode metrics and of eval/n too (data/context_refused_episodes, eval/context_refused_episodes). Every episode left out
+of the batch is counted in data/dropped_episodes and in the count of its cause
+(roll_core.pipelines.collectors._episode_drops). An episode that ended at `env.max_turns` or the context limit (its last
+request refused with HTTP 400) is not a failure, whatever the program did with the refusal, timing out included: it
+ended there, scored the reward it reported, else 0 (the limit is the policy's doing: dropping such episodes hid a policy
+that loops on tool calls). An episode whose last request the engine refused (HTTP 503 `engine_aborted`, no turn sampled
+after it: the session keeps it `untrained`, end `abort`) is no failure of the agent's, whatever the program did with the
+refusal: like `pipeline=agentic`'s untrained episodes it is left out of the batch (its row would train nothing yet count
+in its group's reward statistics), counted in data/aborted_episodes (agent/aborted_episodes), not in agent/failed_*, and
+out of the reward and episode metrics; only episode/end_abort counts it.
 
 A request in flight when its episode's session closes (the episode timed out) is aborted; one that does not answer
 the abort within `pipeline.async_abort_timeout_s`, or whose answer raises, is given up (roll_core.agentic.turn_gate)
@@ -42,7 +45,10 @@ turns they dropped, invalid tool-call blocks, turns resumed after the engine's o
 timed-out episode is episode/end_env_timeout, its aborted request in flight notwithstanding). Evaluation: one
 episode per held-out row (greedy unless pipeline.eval_temperature says otherwise); eval/success_rate (= eval/accuracy)
 comes with its standard error over the eval/n episodes with an outcome (eval/success_rate_stderr,
-eval/accuracy_stderr: roll_core.eval_metrics.rate_stderr, as roll-eval reports it; None for fewer than two).
+eval/accuracy_stderr: roll_core.eval_metrics.rate_stderr, as roll-eval reports it; None for fewer than two), and
+the failures by kind under the training names (agent/failed_timeout -> eval/failed_timeout, every agent/* counter
+likewise) and why episodes ended (eval/end_<reason>). An evaluation none of whose episodes had an outcome logs
+eval/n 0 and no rate or reward (a 0.0 read as a model that failed them all), with a warning naming why.
 What the task's rows lost (DataCounts, roll_core.interfaces.tasks: training rows left out as held out) is in every
 step's data/also_held_out and in the summary.
 """
@@ -66,6 +72,7 @@ from roll_core.eval_metrics import rate_stderr
 from roll_core.interfaces import SamplingParams
 from roll_core.interfaces.tasks import data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, Collector, CollectorContext
+from roll_core.pipelines.collectors._episode_drops import drop_cause, drop_metrics, no_attempt, warn_nothing_evaluated
 from roll_core.pipelines.metrics import StepLog
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
@@ -147,6 +154,16 @@ class Episode:
         """The engine refused the episode's last request (503) and nothing was sampled after: no outcome."""
         return self.traj.untrained
 
+    @property
+    def context_refused(self) -> bool:
+        """Its first request left no room within the context (HTTP 400): the policy never had a turn, no outcome."""
+        return not self.aborted and no_attempt(self.traj.turns, self.traj.end, env_failures=False) is not None
+
+    def drop_cause(self, drop_failures: bool) -> str | None:
+        """Why the episode is left out of the batch (roll_core.pipelines.collectors._episode_drops), None: trained."""
+        t = self.traj
+        return drop_cause(t.untrained, t.turns, t.end, drop_failures and self.failure is not None, env_failures=False)
+
 
 class AgentCollector:
     """Scored trajectory batches of agent-program episodes (see the module docstring)."""
@@ -214,9 +231,9 @@ class AgentCollector:
         out.update(self.sessions.gate.stats())  # aborted requests given up since the last step (its evaluation's too)
         self._log_samples(step, episodes)
         # An aborted episode's row is all masked: it would train nothing, yet its reward joined its group's statistics.
-        kept = [e.traj for e in episodes if e.traj.turns > 0 and not e.aborted and not (drop and e.failure)]
-        out["data/dropped_episodes"] = len(episodes) - len(kept)
-        out["data/aborted_episodes"] = sum(e.aborted for e in episodes)
+        causes = [e.drop_cause(drop) for e in episodes]
+        kept = [e.traj for e, cause in zip(episodes, causes) if cause is None]
+        out.update(drop_metrics(causes))  # data/dropped_episodes and its causes (_episode_drops)
         out.update(data_metrics(data_counts(self.task)))  # data/skipped_rows, data/also_held_out
         if not kept:
             return None
@@ -248,28 +265,37 @@ class AgentCollector:
             seed=derive_seed(self.cfg.pipeline.seed, Purpose.EVAL),
         )
         episodes = self.run([(row, i) for i, row in enumerate(rows)], params)
-        m = {
-            **dict.fromkeys(("reward/mean", "episode/success_rate", "episode/turns_mean"), 0.0),
-            **agent_metrics(episodes),
-        }
-        n = len(rows) - int(m["agent/aborted_episodes"])  # the episodes with an outcome: the rates are over them
+        m = agent_metrics(episodes)
+        refused = sum(e.context_refused for e in episodes)
+        n = len(episodes) - int(m["agent/aborted_episodes"]) - refused  # with an outcome: the rates are over them
         dropped = int(m["agent/failed_episodes"]) if getattr(self.task, "on_failure", "score") == "drop" else 0
         if dropped:
             warn_dropped(dropped, len(episodes), "failed (agent/failed_*: an error, a timeout, no reward)")
-        stderr = rate_stderr(m["episode/success_rate"], n)  # as roll-eval's (roll_core.evaluate.episode_result)
-        return {
-            "eval/accuracy": m["episode/success_rate"],  # the summary and sweeps read it
-            "eval/accuracy_stderr": stderr,
-            "eval/success_rate": m["episode/success_rate"],
-            "eval/success_rate_stderr": stderr,
-            "eval/reward": m["reward/mean"],
-            "eval/mean_turns": m["episode/turns_mean"],
-            "eval/failed_episodes": m["agent/failed_episodes"],
-            "eval/aborted_episodes": m["agent/aborted_episodes"],
+        out: dict[str, float | None] = {
+            # the failures by kind and the endpoint's counters, under training's names (agent/failed_timeout ...)
+            **{f"eval/{k.removeprefix('agent/')}": v for k, v in m.items() if k.startswith("agent/")},
             "eval/dropped_episodes": float(dropped),  # failed, counted unsuccessful; on_failure=drop skips training
+            "eval/context_refused_episodes": float(refused),  # first request over the context: not in eval/n
+            **{f"eval/end_{k.removeprefix('episode/end_')}": v for k, v in m.items() if k.startswith("episode/end_")},
             "eval/n": float(n),
-            "eval/seconds": time.perf_counter() - t0,
         }
+        if n:
+            stderr = rate_stderr(m["episode/success_rate"], n)  # as roll-eval's (roll_core.evaluate.episode_result)
+            out.update(
+                {
+                    "eval/accuracy": m["episode/success_rate"],  # the summary and sweeps read it
+                    "eval/accuracy_stderr": stderr,
+                    "eval/success_rate": m["episode/success_rate"],
+                    "eval/success_rate_stderr": stderr,
+                    "eval/reward": m["reward/mean"],
+                    "eval/mean_turns": m["episode/turns_mean"],
+                }
+            )
+        else:  # no rate over nothing: a 0.0 read as a model that failed every episode
+            why = {"aborted": int(m["agent/aborted_episodes"]), "context_refused": refused}
+            warn_nothing_evaluated(len(episodes), why)
+        out["eval/seconds"] = time.perf_counter() - t0
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The episodes run so far (the next session id's number); training rows follow from (run seed, step)."""
@@ -408,16 +434,17 @@ def _as_number(value: Any) -> float | None:
 
 
 def agent_metrics(episodes: list[Episode], drop_failures: bool = False) -> dict[str, float]:
-    """Reward, success, turns, tokens, tool calls and failures of finished episodes (failed ones with their
-    failure reward). The end reasons, the failure counts and the endpoint's counters are over every episode, the rest
-    over those with an outcome: not aborted (an aborted one's partial length and reward describe the engine's
-    refusal, not the policy), nor failed when `drop_failures` (`env.on_failure=drop` in training: the episode is not
-    trained, and the metrics describe what was). With none, the reward and episode metrics are absent (a reward/mean
-    of 0.0 over no episode read as a policy scoring 0)."""
+    """Reward, success, turns, tokens, tool calls and failures of finished episodes (failed ones with their failure
+    reward). The end reasons, the failure counts and the endpoint's counters are over every episode, the rest over those
+    with an outcome: not aborted (an aborted one's partial length and reward describe the engine's refusal, not the
+    policy), nor refused its first request by the context (`Episode.context_refused`), nor failed when `drop_failures`
+    (`env.on_failure=drop` in training: the episode is not trained, and the metrics describe what was). With none, the
+    reward and episode metrics are absent (a reward/mean of 0.0 over no episode read as a policy scoring 0)."""
     everyone, n_all = episodes, max(len(episodes), 1)
     episodes = [e for e in episodes if not e.aborted]
     failures = Counter(e.failure for e in episodes if e.failure)
     aborted = len(everyone) - len(episodes)
+    episodes = [e for e in episodes if not e.context_refused]  # never attempted: no outcome (_episode_drops)
     if drop_failures:
         episodes = [e for e in episodes if not e.failure]
     n = max(len(episodes), 1)

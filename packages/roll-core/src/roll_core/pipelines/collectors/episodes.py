@@ -7,21 +7,27 @@ group-relative estimators compare like with like), all concurrently, token-in-to
 prompt is the prompt, everything after it the response, with a loss mask that is 1 on generated tokens only, plus
 `group_ids` and the turn tensors the trajectory estimators read (roll_core.algorithms). An episode never runs past
 the inference engine's context: a task's max_context_length longer than it is lowered to it, with a warning
-(roll_core.agentic.rollout.fit_engine_context; pipeline=agent's sessions too). Episodes whose environment
-failed at reset give nothing to train on (counted in data/dropped_episodes). An episode whose environment step
-raised or hung (end `env_error` / `env_timeout`) is, per the task's `on_failure`, trained with its failing turn's
-reward set to `failure_reward` (`score`, the default; 0.0) or dropped (`drop`, counted in data/dropped_episodes,
-and, like an untrained episode, out of the reward and episode metrics, which describe what was trained; a step
-whose every episode was left out logs no reward/* or episode rate at all, not a 0.0 over none): either way it is
-counted in episode/end_<reason> and env/<counter>. Evaluation drops nothing: a held-out episode an environment
-failure ended is an unsuccessful attempt whatever `on_failure` says (scored `failure_reward`, counted in eval/n and
-eval/failed_episodes; those `drop` would have kept out of training in eval/dropped_episodes, with a warning), since
-a timeout is often the policy's doing (a program it ran hung) and leaving them out raised the held-out success rate
-silently (3 timeouts and 1 success read 1.0 on eval/n 1). An episode the rollout kept `untrained` (a turn
-the engine kept aborting, `pipeline.max_idle_aborts` times in a row without a token, or the collector closing, cut
-it: end `abort`, roll_core.agentic.rollout) is left out of the batch (no forward pass is spent on a row the loss
-would mask), counted in data/dropped_episodes and data/aborted_episodes, and out of the reward and episode metrics
-(its partial reward is no outcome): only episode/end_abort counts it.
+(roll_core.agentic.rollout.fit_engine_context; pipeline=agent's sessions too). An episode whose environment failed at
+reset, or whose first prompt the context refused, was never an attempt of the policy: nothing to train on, and no
+outcome, so it is out of the reward and episode metrics, on_failure=score or not (its 0.0 pulled reward/mean down: 3
+successes and 1 failed reset read 0.75), and out of eval/n, counted apart (data/reset_failed_episodes,
+data/context_refused_episodes; eval/reset_failed_episodes, eval/context_refused_episodes;
+roll_core.pipelines.collectors._episode_drops). Every episode left out of the batch is counted in data/dropped_episodes,
+and in the count of its cause (_episode_drops: data/aborted_episodes, data/reset_failed_episodes,
+data/failure_dropped_episodes, data/context_refused_episodes, data/unsampled_episodes, which add up to it). An episode
+whose environment step raised or hung (end `env_error` / `env_timeout`) is, per the task's `on_failure`, trained with
+its failing turn's reward set to `failure_reward` (`score`, the default; 0.0) or dropped (`drop`, counted in
+data/failure_dropped_episodes, and, like an untrained episode, out of the reward and episode metrics, which describe
+what was trained; a step whose every episode was left out logs no reward/* or episode rate at all, not a 0.0 over none):
+either way it is counted in episode/end_<reason> and env/<counter>. Evaluation drops nothing: a held-out episode an
+environment failure ended is an unsuccessful attempt whatever `on_failure` says (scored `failure_reward`, counted in
+eval/n and eval/failed_episodes; those `drop` would have kept out of training in eval/dropped_episodes, with a warning),
+since a timeout is often the policy's doing (a program it ran hung) and leaving them out raised the held-out success
+rate silently (3 timeouts and 1 success read 1.0 on eval/n 1). An episode the rollout kept `untrained` (a turn the
+engine kept aborting, `pipeline.max_idle_aborts` times in a row without a token, or the collector closing, cut it: end
+`abort`, roll_core.agentic.rollout) is left out of the batch (no forward pass is spent on a row the loss would mask),
+counted in data/aborted_episodes, and out of the reward and episode metrics (its partial reward is no outcome): only
+episode/end_abort counts it.
 
 Vision-language models (`model.path` a Qwen-VL family folder or builtin:tiny-qwen2.5-vl): observations may carry
 pictures (env=visual_frozen_lake); the turn template renders them with the model's `VisionProcessor` and the batch
@@ -38,7 +44,10 @@ summary).
 Evaluation: one episode per held-out seed (greedy unless pipeline.eval_temperature says otherwise); eval/success_rate
 (= eval/accuracy) comes with its standard error over the eval/n episodes with an outcome (eval/success_rate_stderr,
 eval/accuracy_stderr: roll_core.eval_metrics.rate_stderr, as roll-eval reports it; None for fewer than two): every
-episode but those the engine refused (eval/aborted_episodes), environment failures included (above).
+episode but those the engine refused (eval/aborted_episodes) and those never attempted (above), environment failures
+included. An evaluation none of whose episodes had an outcome (every reset failed, every first prompt over the
+context) logs eval/n 0 and no rate, reward or episode mean (a 0.0 read as a model that failed them all), with a
+warning naming why.
 """
 
 from __future__ import annotations
@@ -59,6 +68,13 @@ from roll_core.eval_metrics import rate_stderr
 from roll_core.interfaces.agentic import INFO_COUNTERS
 from roll_core.interfaces.tasks import AgenticTask, data_counts, data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
+from roll_core.pipelines.collectors._episode_drops import (
+    ENV_FAILURES,
+    drop_cause,
+    drop_metrics,
+    no_attempt,
+    warn_nothing_evaluated,
+)
 from roll_core.pipelines.metrics import StepLog
 from roll_core.protocol import Batch
 from roll_core.seeds import Purpose, derive_seed
@@ -209,31 +225,44 @@ class EpisodeCollector:
         after = self.envs.counters()
         # the held-out episodes' environment failures are eval's (eval/env_*), not the next training step's
         self._counters = {k: self._counters.get(k, 0) + after[k] - before.get(k, 0) for k in after}
-        m = {**dict.fromkeys(OUTCOME_METRICS, 0.0), **episode_metrics(trajs, before, after)}  # 0.0 over none
+        m = episode_metrics(trajs, before, after)
         n = sum(has_outcome(t) for t in trajs)  # the episodes with an outcome: the rates are over them
-        failed = sum(t.end in ENV_FAILURES for t in trajs)
+        failed = sum(t.end in ENV_FAILURES and t.turns > 0 for t in trajs)  # a failed reset is no attempt
         dropped = failed if drop else 0
         if dropped:
             warn_dropped(dropped, len(trajs), "ended in an environment failure (env_error, env_timeout)")
-        stderr = rate_stderr(m["reward/accuracy"], n)  # as roll-eval's (roll_core.evaluate.episode_result)
-        return {
-            "eval/accuracy": m["reward/accuracy"],  # = success rate (the summary and sweeps read it)
-            "eval/accuracy_stderr": stderr,
-            "eval/success_rate": m["reward/accuracy"],
-            "eval/success_rate_stderr": stderr,
-            "eval/reward": m["reward/mean"],
-            "eval/mean_turns": m["episode/turns_mean"],
-            "eval/invalid_action_rate": m["episode/invalid_action_rate"],
-            "eval/tool_calls_mean": m["episode/tool_calls_mean"],
-            **{f"eval/{k}_mean": m[f"episode/{k}_mean"] for k in INFO_COUNTERS},
+        missed = Counter(no_attempt(t.turns, t.end) for t in trajs if not t.untrained)
+        aborted = sum(t.untrained for t in trajs)
+        out: dict[str, float | None] = {
             "eval/n": float(n),
             "eval/failed_episodes": float(failed),  # counted as unsuccessful, in eval/n
             "eval/dropped_episodes": float(dropped),  # of those, what on_failure=drop keeps out of training
-            "eval/aborted_episodes": float(sum(t.untrained for t in trajs)),  # refused by the engine: not in eval/n
+            "eval/aborted_episodes": float(aborted),  # refused by the engine: not in eval/n
+            # never attempted (no turn): not in eval/n (_episode_drops)
+            "eval/reset_failed_episodes": float(missed["reset_failed"]),
+            "eval/context_refused_episodes": float(missed["context_refused"]),
             **{f"eval/end_{k.removeprefix('episode/end_')}": v for k, v in m.items() if k.startswith("episode/end_")},
             **{f"eval/{k.removeprefix('env/')}": v for k, v in m.items() if k.startswith("env/")},
-            "eval/seconds": time.perf_counter() - t0,
         }
+        if n:
+            stderr = rate_stderr(m["reward/accuracy"], n)  # as roll-eval's (roll_core.evaluate.episode_result)
+            out.update(
+                {
+                    "eval/accuracy": m["reward/accuracy"],  # = success rate (the summary and sweeps read it)
+                    "eval/accuracy_stderr": stderr,
+                    "eval/success_rate": m["reward/accuracy"],
+                    "eval/success_rate_stderr": stderr,
+                    "eval/reward": m["reward/mean"],
+                    "eval/mean_turns": m["episode/turns_mean"],
+                    "eval/invalid_action_rate": m["episode/invalid_action_rate"],
+                    "eval/tool_calls_mean": m["episode/tool_calls_mean"],
+                    **{f"eval/{k}_mean": m[f"episode/{k}_mean"] for k in INFO_COUNTERS},
+                }
+            )
+        else:  # no rate over nothing: a 0.0 read as a model that failed every episode
+            warn_nothing_evaluated(len(trajs), {"aborted": aborted, **missed})
+        out["eval/seconds"] = time.perf_counter() - t0
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # training seeds follow from (run seed, step)
@@ -266,11 +295,11 @@ class EpisodeCollector:
         out.update(episode_metrics(trajs, self._counters, now, drop_failures=drop))
         self._counters = now
         self._log_episodes(step, trajs)
-        # an environment that failed at reset gives nothing to train on; one that failed later, per on_failure; an
-        # untrained episode (cut by an aborted turn) would be all masked: a forward pass for nothing
-        kept = [t for t in trajs if t.turns > 0 and not t.untrained and not (drop and t.end in ENV_FAILURES)]
-        out["data/dropped_episodes"] = len(trajs) - len(kept)
-        out["data/aborted_episodes"] = sum(t.untrained for t in trajs)
+        # an episode without a turn gives nothing to train on; one whose environment failed later, per on_failure;
+        # an untrained episode (cut by an aborted turn) would be all masked: a forward pass for nothing
+        causes = [drop_cause(t.untrained, t.turns, t.end, drop and t.end in ENV_FAILURES) for t in trajs]
+        kept = [t for t, cause in zip(trajs, causes) if cause is None]
+        out.update(drop_metrics(causes))  # data/dropped_episodes and its causes (_episode_drops)
         out.update(data_metrics(data_counts(self.task)))  # data/skipped_rows, data/also_held_out
         if not kept:
             return None
@@ -306,10 +335,6 @@ class EpisodeCollector:
         )
 
 
-#: End reasons of an episode whose environment step failed (roll_core.agentic.rollout).
-ENV_FAILURES = ("env_error", "env_timeout")
-
-
 def score_failures(task: Any, trajs: list[Trajectory], held_out: bool = False) -> bool:
     """Apply the task's failure policy to episodes an environment step ended: with `on_failure: score` (or a task
     without one) the failing turn's reward becomes `failure_reward` (0.0 without one), in place. Returns whether
@@ -342,9 +367,12 @@ def warn_dropped(dropped: int, total: int, how: str) -> None:
 
 
 def has_outcome(t: Trajectory, drop_failures: bool = False) -> bool:
-    """Whether episode `t` has an outcome the reward and episode metrics count: not `untrained`, and not an
-    environment failure under `on_failure: drop` (`drop_failures`, training only)."""
-    return not t.untrained and not (drop_failures and t.end in ENV_FAILURES)
+    """Whether episode `t` has an outcome the reward and episode metrics count: not `untrained`, attempted (its
+    reset did not fail, its first prompt fit the context: `_episode_drops.no_attempt`), and not an environment
+    failure under `on_failure: drop` (`drop_failures`, training only)."""
+    if t.untrained or no_attempt(t.turns, t.end) is not None:
+        return False
+    return not (drop_failures and t.end in ENV_FAILURES)
 
 
 #: The metrics `episode_metrics` computes over the episodes with an outcome: a step without one logs none of them.
@@ -375,10 +403,11 @@ def episode_metrics(
 
     Every metric but the end reasons (episode/end_<reason>, over all episodes) is over the episodes with an outcome
     (`has_outcome`): an `untrained` one (end `abort`: a turn aborted for good cut it) has a partial reward and a
-    shortened length that describe the engine, not the policy (they pulled reward/mean and the success rate down);
-    so has an episode an environment failure ended when `drop_failures` (`on_failure: drop` in training: the
-    episode is not trained, and the metrics describe what was). With no episode left, those metrics
-    (`OUTCOME_METRICS`) are absent: reward/mean 0.0 over no episode read as a policy scoring 0."""
+    shortened length that describe the engine, not the policy (they pulled reward/mean and the success rate down); nor
+    has one the policy never had a turn in (a failed reset, a first prompt over the context); so has an episode an
+    environment failure ended when `drop_failures` (`on_failure: drop` in training: the episode is not trained, and the
+    metrics describe what was). With no episode left, those metrics (`OUTCOME_METRICS`) are absent: reward/mean 0.0 over
+    no episode read as a policy scoring 0."""
     ends = Counter(t.end for t in trajs)
     n_all = max(len(trajs), 1)
     resumed = sum(t.resumed_turns for t in trajs)
