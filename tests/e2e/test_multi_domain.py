@@ -41,6 +41,8 @@ def test_multi_domain_run_reports_every_domain(tmp_path: Path) -> None:
     for h in steps:
         # env.counts: 3 of the 4 prompts per batch are "seven"'s, every step.
         assert h["domain/seven/share"] == 0.75 and h["domain/three/share"] == 0.25
+        # Without dynamic sampling the rows trained on are the rows sampled.
+        assert h["domain/seven/trained_share"] == 0.75 and h["domain/three/trained_share"] == 0.25
         for d in ("seven", "three"):
             for k in ("reward", "accuracy", "format", "length_mean", "clip_ratio"):
                 assert f"domain/{d}/{k}" in h

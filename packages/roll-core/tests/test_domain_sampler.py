@@ -134,3 +134,57 @@ def test_a_domain_smaller_than_its_weighted_share_is_a_warning(caplog: pytest.Lo
     with caplog.at_level("WARNING", logger="roll_core.data"):
         make_sampler(Weighted(), batch_size=2, seed=0)  # 'a' expects 1.5 of 2: its 2 prompts suffice
     assert "roll_core.data" not in caplog.text and not caplog.records
+
+
+def test_a_resume_with_the_domains_in_another_order_or_size_names_them() -> None:
+    """env.tasks listed in another order on resume (the config check compares the domains, not their order): each
+    domain's order is seeded by its place, so its saved seed no longer matched and the error blamed pipeline.seed
+    with two seeds the user never set. A domain whose data changed size was "a training set of 10 prompts",
+    naming no domain."""
+    saved = DomainSampler(SLICES, weights={}, counts={"math": 4, "code": 1, "ifeval": 3}, batch_size=8, seed=5)
+    saved.next(8), saved.next(3)
+    state = saved.state_dict()
+    order = ["ifeval", "math", "code"]
+    starts = {"ifeval": 0, "math": 30, "code": 80}
+    moved = {d: range(starts[d], starts[d] + len(SLICES[d])) for d in order}
+    again = DomainSampler(moved, weights={}, counts={"math": 4, "code": 1, "ifeval": 3}, batch_size=8, seed=5)
+    with pytest.raises(ConfigError, match=r"in the order \['math', 'code', 'ifeval'\]; this run has them in the "):
+        again.load_state_dict(state)
+    grown = dict(SLICES, code=range(50, 62))
+    bigger = DomainSampler(grown, weights={}, counts={"math": 4, "code": 1, "ifeval": 3}, batch_size=8, seed=5)
+    with pytest.raises(ConfigError, match=r"for 10 training prompts of domain 'code'; this run has 12"):
+        bigger.load_state_dict(state)
+    # The domains in the saved order and sizes resume exactly, as before.
+    same = DomainSampler(SLICES, weights={}, counts={"math": 4, "code": 1, "ifeval": 3}, batch_size=8, seed=5)
+    same.load_state_dict(state)
+    assert [same.next(8) for _ in range(5)] == [saved.next(8) for _ in range(5)]
+
+
+def test_counts_not_summing_to_the_batch_size_are_refused_before_any_model_loads() -> None:
+    """The check the run makes before it starts the engines (the collector factory's `check`): env.counts summing to
+    5 with batches of 8 was refused only when the collector built its sampler, after the engines loaded the model."""
+    from types import SimpleNamespace
+
+    from roll_core.pipelines.collectors import prompt_collectors
+
+    class Mixed:
+        def __init__(self, counts: dict[str, int]) -> None:
+            self.domains, self.counts = list(SLICES), counts
+
+        def train_set(self) -> list[int]:
+            return list(range(90))
+
+        def eval_set(self) -> list[int]:
+            return list(range(4))
+
+        def domain_slices(self) -> dict[str, range]:
+            return dict(SLICES)
+
+        def mixture(self) -> tuple[dict[str, float], dict[str, int]]:
+            return {}, dict(self.counts)
+
+    pipeline = SimpleNamespace(rollout_batch_size=8, eval_every=0, eval_size=4, name="rlvr")
+    cfg = SimpleNamespace(pipeline=pipeline, env=SimpleNamespace(name="multi"))
+    with pytest.raises(ConfigError, match=r"sums to 5; it must equal pipeline\.rollout_batch_size=8"):
+        prompt_collectors.check(cfg, Mixed({"math": 3, "code": 1, "ifeval": 1}))
+    prompt_collectors.check(cfg, Mixed({"math": 4, "code": 1, "ifeval": 3}))  # summing to 8: accepted

@@ -128,6 +128,19 @@ def test_route_by_task_mixture_and_held_out_balance() -> None:
     assert partial.mixture() == ({"add": 0.75, "mul": 0.25}, {})
 
 
+def test_a_domain_without_held_out_rows_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A sub-task holding nothing out (eval_size 0, a small file's hash split): eval/accuracy averaged the other
+    domains only and eval/<d>/* never appeared, which nothing said."""
+    with caplog.at_level("WARNING", logger="roll_envs.tasks.multi"):
+        task = MultiTask({"add": _arith("add", 0), "mul": ArithmeticTask(MathReward(), name="mul", eval_size=0)})
+    assert {p.domain for p in task.eval_set()} == {"add"}  # (what it warns about)
+    assert "domain(s) ['mul'] have no held-out rows: evaluation (eval/accuracy) covers ['add'] only" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="roll_envs.tasks.multi"):
+        MultiTask({"add": _arith("add", 0), "mul": _arith("mul", 1)})
+    assert "held-out rows" not in caplog.text
+
+
 def test_a_pictured_sub_task_keeps_its_pictures() -> None:
     """A visual task as a domain: its problems reached the model as text with a literal <image> (and a text model
     was accepted, since no problem seemed to have pictures)."""

@@ -17,9 +17,10 @@ refills, one at a time):
   saved no head continues its epoch in the order it was saved with; later epochs follow the contract.
 `DomainSampler` mixes several domains (slices of one training list) by fixed per-batch counts or random weights;
 each domain keeps its own epoch order under the same contract (W: its count per batch, or the batch size for
-weights), and its state (each domain's state, draws made) resumes exactly too. `make_sampler` warns when a batch
-must repeat prompts: a training set (or a domain, for its fixed count or its weight's expected share) smaller than
-one batch.
+weights), and its state (each domain's state, draws made) resumes exactly too (the same domains in the same order
+and sizes; otherwise a ConfigError naming them). `check_counts`: fixed counts sum to the batch size. `make_sampler`
+warns when a batch must repeat prompts: a training set (or a domain, for its fixed count or its weight's expected
+share) smaller than one batch.
 """
 
 from __future__ import annotations
@@ -152,11 +153,7 @@ class DomainSampler:
     ) -> None:
         if bool(weights) == bool(counts):
             raise ValueError("give the domains' weights or their counts (exactly one)")
-        if counts and sum(counts.values()) != batch_size:
-            raise ConfigError(
-                f"env.counts={dict(counts)} sums to {sum(counts.values())}; it must equal "
-                f"pipeline.rollout_batch_size={batch_size} (prompts per batch)"
-            )
+        check_counts(counts, batch_size)
         self.domains = list(slices)
         self.slices = dict(slices)
         self.weights, self.counts, self.batch_size, self.seed = dict(weights), dict(counts), batch_size, seed
@@ -214,14 +211,43 @@ class DomainSampler:
         return {"draws": self.draws, "domains": {d: s.state_dict() for d, s in self.samplers.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved mix exactly. Other domains, the same domains in another order (each domain's order
+        is seeded by its place: env.tasks listed in another order) or a domain with another number of prompts
+        are ConfigErrors naming the domains (they read as a changed pipeline.seed or training set before)."""
         if "domains" not in state or sorted(state["domains"]) != sorted(self.domains):
             raise ConfigError(
                 f"sampler state is for domains {sorted(state.get('domains', {})) or 'of a single-domain run'}; "
                 f"this run has {sorted(self.domains)}"
             )
+        places = {derive_seed(self.seed, Purpose.DOMAIN_ORDER, i): i for i in range(len(self.domains))}
+        saved = {d: places.get(s.get("seed")) for d, s in state["domains"].items()}
+        if None not in saved.values() and saved != {d: i for i, d in enumerate(self.domains)}:
+            order = sorted(saved, key=lambda d: saved[d])
+            raise ConfigError(
+                f"the checkpoint's domains were in the order {order}; this run has them in the order {self.domains} "
+                "(the order of env.tasks, or of the rows' domains with env.route=column): the data position and the "
+                f"training list depend on it; resume with the domains in the order {order}"
+            )
+        for d, s in state["domains"].items():
+            if s.get("size") != self.samplers[d].size:
+                raise ConfigError(
+                    f"the checkpoint's data position is for {s.get('size')} training prompts of domain {d!r}; this "
+                    f"run has {self.samplers[d].size}: resume with the data the run was saved with, or start a new run"
+                )
         for d, s in state["domains"].items():
             self.samplers[d].load_state_dict(s)
         self.draws = state["draws"]
+
+
+def check_counts(counts: Mapping[str, int], batch_size: int) -> None:
+    """Fixed per-domain counts (none: weights) sum to the batch size; a ConfigError otherwise. The prompts
+    collectors' `check_task` calls it with the task's `mixture()` before any model loads (said when the sampler was
+    built, after the engines had loaded the model: minutes on a GPU)."""
+    if counts and sum(counts.values()) != batch_size:
+        raise ConfigError(
+            f"env.counts={dict(counts)} sums to {sum(counts.values())}; it must equal "
+            f"pipeline.rollout_batch_size={batch_size} (prompts per batch)"
+        )
 
 
 def make_sampler(task: Any, *, batch_size: int, seed: int) -> PromptSampler | DomainSampler:

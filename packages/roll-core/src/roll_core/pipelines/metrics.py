@@ -83,6 +83,17 @@ def domain_metrics(batch: Batch, lengths: torch.Tensor, max_len: int, domains: l
     return out
 
 
+def trained_domain_shares(batch: Batch, domains: list[str]) -> dict[str, float]:
+    """`domain/<d>/trained_share`: each of `domains`' share of the rows the step trains on (0 for a domain with
+    none). `domain/<d>/share` is the sampled mix (env.counts / env.weights); dynamic sampling
+    (algo.drop_uniform_groups) drops groups without reward variance and refills by the same mix, so a domain whose
+    groups are all solved or all failed shrinks in (or vanishes from) the trained batch, which nothing showed."""
+    rows = row_domains(batch)
+    if not rows:
+        return {}
+    return {f"domain/{d}/trained_share": sum(r == d for r in rows) / len(rows) for d in domains}
+
+
 #: A masking correction dropping more than this fraction of the response tokens trains on too little to learn from.
 HEAVY_MASKING = 0.5
 

@@ -178,6 +178,15 @@ class MultiTask:
             if not self.tasks[t].train_set():
                 raise ConfigError(f"env.tasks.{t}: the training set is empty")
         per_domain = [[p for ps in held for p in ps if p.domain == d] for d in self.domains]
+        unevaluated = [d for d, ps in zip(self.domains, per_domain) if not ps]
+        if unevaluated and len(unevaluated) < len(self.domains):
+            # eval/accuracy then averages the other domains only, and eval/<d>/* never appears, which nothing said.
+            log.warning(
+                "env=multi: domain(s) %s have no held-out rows: evaluation (eval/accuracy) covers %s only; give "
+                "them held-out problems (their sub-task's eval_size or eval_path)",
+                unevaluated,
+                [d for d in self.domains if d not in unevaluated],
+            )
         untrained: dict[str, int] = {}
         for p in (p for ps in held for p in ps if p.domain not in self.domains):
             untrained[p.domain] = untrained.get(p.domain, 0) + 1

@@ -23,9 +23,10 @@ dropped (data/refused_prompts, logged), so every trained group is complete and g
 meaning; evaluation resumes and refuses the same way.
 Multi-domain tasks (roll_envs.tasks.multi): prompts are mixed by the task's counts or weights
 (roll_core.data.DomainSampler), metrics and evaluation are also reported per domain (`domain/<d>/...`,
-`eval/<d>/accuracy`), and rows carry `advantage_scale` (the trainer multiplies their advantages) when a domain's
-scale is not 1. A reward model (`reward_model=hf`) scores after the task's reward and adds to or replaces its
-scores (roll_core.pipelines.reward_model).
+`eval/<d>/accuracy`; `domain/<d>/trained_share`: the mix trained on, after dynamic sampling's filter), and rows
+carry `advantage_scale` (the trainer multiplies their advantages) when a domain's scale is not 1. A reward model
+(`reward_model=hf`) scores after the task's reward and adds to or replaces its scores
+(roll_core.pipelines.reward_model).
 Vision-language models: prompts are encoded with the model's `VisionProcessor` (the problems' pictures placed in
 their prompts, roll_core.pipelines.rollout); the batch's `mm_inputs` reach the engines and, without the PIL
 pictures (the tensors suffice), the trainer. Problems with pictures and a text model: a ConfigError at start.
@@ -44,7 +45,7 @@ from roll_algos.losses import overlong_penalty
 from roll_core.cluster.reward_guard import RewardFailureBudget
 from roll_core.cluster.roles import RewardGroup
 from roll_core.config.build import as_dict
-from roll_core.data import data_fingerprint, make_sampler
+from roll_core.data import check_counts, data_fingerprint, make_sampler
 from roll_core.errors import ConfigError
 from roll_core.idle_aborts import KEY as IDLE_ABORTS_KEY
 from roll_core.idle_aborts import MAX_IDLE_ABORTS  # noqa: F401 (re-exported: callers import it from here)
@@ -52,7 +53,7 @@ from roll_core.interfaces.tasks import data_metrics
 from roll_core.pipelines.collectors import Collected, CollectorContext
 from roll_core.pipelines.collectors._eval_cut import first_eval_size, with_eval_cut
 from roll_core.pipelines.collectors._resume import _Resuming, resume_aborted
-from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics
+from roll_core.pipelines.metrics import StepLog, domain_metrics, reward_metrics, trained_domain_shares
 from roll_core.pipelines.rollout import (
     PromptsTooLong,
     assemble,
@@ -79,7 +80,8 @@ def env_label(cfg: Any) -> str | None:
 
 
 def check_task(cfg: Any, task: Any) -> None:
-    """A single-turn task with training problems, and held-out ones when the run evaluates."""
+    """A single-turn task with training problems, a multi-domain task's env.counts summing to the batch size, and
+    held-out problems when the run evaluates."""
     from roll_core.interfaces.tasks import AgenticTask
 
     if isinstance(task, AgenticTask):
@@ -89,6 +91,8 @@ def check_task(cfg: Any, task: Any) -> None:
         )
     if not task.train_set():
         raise ConfigError(f"env={env_label(cfg)}: the training set is empty: check the data (env.path)")
+    if hasattr(task, "domain_slices") and hasattr(task, "mixture"):  # env.counts against the batch size, now
+        check_counts(task.mixture()[1], cfg.pipeline.rollout_batch_size)
     if cfg.pipeline.eval_every > 0 and not task.eval_set()[: cfg.pipeline.eval_size]:
         raise ConfigError(
             f"pipeline.eval_every={cfg.pipeline.eval_every} but the held-out set of env={env_label(cfg)} is empty "
@@ -268,6 +272,8 @@ class PromptCollector:
         # Epochs of the training set drawn (the least drawn domain's with several; the asynchronous collector's
         # includes the groups it started ahead).
         out["data/epoch"] = self.sampler.progress()
+        if len(self.domains) > 1:  # the trained mix, after dynamic sampling's filter (the sampled one: `share`)
+            out.update(trained_domain_shares(batch, self.domains))
         if "mm_inputs" in batch:  # the trainer takes the tensors; the PIL pictures were for the engines
             batch["mm_inputs"] = without_images(batch["mm_inputs"])
         if self.sampling.structured is not None:  # the trainer replays the constraint over each response
