@@ -22,7 +22,9 @@ def sweep_group(experiment: str, sweep_dir: str | Path) -> str:
 
 def sweep_tracking(cfg: Any, sweep_dir: str | Path, job_num: int) -> None:
     """Set a sweep job's `tracking.group` (the sweep's, shared) and `tracking.run_name` (the job's own) on its
-    composed config, in place, unless the command line set them; config.yaml then records both."""
+    composed config, in place, unless the command line set them; config.yaml then records both. `sweep_dir`: the
+    sweep folder as an absolute path (roll_core.sweep.job_sweep_dir): hydra.sweep.dir as given (`.`, or relative to
+    the date folder, as a resume may spell it) named another group than the sweep it resumes."""
     tracking = cfg.get("tracking") if hasattr(cfg, "get") else None
     if tracking is None:  # a config without the node (another primary config): nothing to name
         return

@@ -129,7 +129,9 @@ def run_sweep_job(cfg: Any, run: Any) -> float | sweep_stop.UnstartedTrial | Non
             write_record(out, record)
             return None
         check_resumed_folder(cfg, out, sweep_dir, record)
-        sweep_tracking(cfg, hc.sweep.dir, hc.job.num)
+        # the folder, not the text of hydra.sweep.dir: a resume that spells it otherwise (`.`, relative to the date
+        # folder) is the same group
+        sweep_tracking(cfg, sweep_dir, hc.job.num)
         permits = int(cfg.cluster.get("max_concurrent", 0) or 0)
         with job_slot(slots_name(sweep_dir, record["sweep_id"]), permits) as waited:
             record["queued_seconds"] = waited

@@ -130,6 +130,8 @@ class MlflowTracker(MlflowResume, MlflowClose):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.uri = self.options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or self._local_uri()
         self.shown_uri = redact_text(self.uri)  # what run.json and messages hold: no `user:token@`
+        # The run folder's own store: the same store wherever the folder is (moved, or under another mount point)
+        self.local_store = self.uri == self._local_uri()
         self.experiment = (
             self.options.experiment or tracking_config(config).group or str(config.get("experiment") or name)
         )
@@ -239,6 +241,7 @@ class MlflowTracker(MlflowResume, MlflowClose):
     # ---- state and buffer files ------------------------------------------------------------------------------
     def _save_state(self) -> None:
         state = {"tracking_uri": self.shown_uri, "run_id": self.run_id, "last_step": self.held_step}
+        state["local"] = self.local_store
         tmp = self.dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state))
         tmp.replace(self.dir / STATE_FILE)  # a crash mid-write keeps the previous record

@@ -2,9 +2,10 @@
 sent the steps it lacks. `MlflowResume` holds these methods of `MlflowTracker` (its base class); they run on the
 tracker's worker thread like the rest of its calls.
 
-`<run>/mlflow/run.json` (STATE_FILE) records the tracking URI (without userinfo), the MLflow run id and the last step
-logged to it. MLflow cannot delete metric points (a point logged again at the same step is a second point, not a
-replacement), so `truncate(last_step)` does one of two things:
+`<run>/mlflow/run.json` (STATE_FILE) records the tracking URI (without userinfo), whether the store is the run
+folder's own (`local`: then it is the same store after the folder moved, `recorded_store_is_this`), the MLflow run id
+and the last step logged to it. MLflow cannot delete metric points (a point logged again at the same step is a
+second point, not a replacement), so `truncate(last_step)` does one of two things:
 - the MLflow run holds nothing after `last_step` (a preemption right after a checkpoint): the same run continues;
   run.json's last step and the server's last point must agree on that (an attempt that ended mid-send left the
   server holding steps run.json does not name: a new run, as below);
@@ -40,7 +41,7 @@ from roll_core.trackers.mlflow_keys import flatten_config
 from roll_core.trackers.replay import kept_metrics, kept_samples
 from roll_core.tracking import redact_config, redact_exception, redact_text
 
-__all__ = ["STATE_FILE", "UNSENT_FILE", "MlflowResume"]
+__all__ = ["LOCAL_DB", "STATE_FILE", "UNSENT_FILE", "MlflowResume", "recorded_store_is_this"]
 
 # The backend's logger: every message of the MLflow backend under one name.
 log = logging.getLogger("roll_core.trackers.mlflow")
@@ -48,6 +49,8 @@ log = logging.getLogger("roll_core.trackers.mlflow")
 STATE_FILE = "run.json"
 #: What could not be sent by `close()`: sent when the run resumes.
 UNSENT_FILE = "unsent.json"
+#: How the URI of a run folder's own store ends (roll_core.trackers.mlflow: `sqlite:///<run>/mlflow/mlflow.db`).
+LOCAL_DB = "/mlflow/mlflow.db"
 
 
 class MlflowResume:
@@ -81,8 +84,7 @@ class MlflowResume:
         assert self.resume_step is not None
         path = self.dir / STATE_FILE
         state = json.loads(path.read_text()) if path.exists() else None
-        # run.json holds the URI without userinfo (one written before that: with it)
-        same_store = state is not None and state.get("tracking_uri") in (self.shown_uri, self.uri)
+        same_store = state is not None and recorded_store_is_this(state, self.uri, self.shown_uri, self.local_store)
         try:
             recorded = int(state["last_step"]) if same_store else None
             if recorded is not None and recorded <= self.resume_step and self._continue(str(state["run_id"]), recorded):
@@ -188,6 +190,22 @@ class MlflowResume:
         self.pending_metrics = [tuple(m) for m in unsent["metrics"]] + self.pending_metrics  # type: ignore[misc]
         self.pending_artifacts = {**unsent["artifacts"], **self.pending_artifacts}
         log.info("MLflow: %d metric points of an earlier attempt are sent now", len(unsent["metrics"]))
+
+
+def recorded_store_is_this(state: dict[str, Any], uri: str, shown_uri: str, local: bool) -> bool:
+    """Whether run.json's `state` names the store at `uri` (`shown_uri`: without userinfo; `local`: the run folder's
+    own store). The URI as recorded (without userinfo; one written before that: with it), or, for the run folder's own
+    store, a recorded local store wherever the folder was: its path in the URI is where the folder was then, and a
+    moved folder's resume took its own store for another, starting a second MLflow run beside the recorded one (left
+    active with the values of the steps the resume redoes). A run.json written before `local` was recorded: a local
+    store's URI is `sqlite:///<run>/mlflow/mlflow.db`."""
+    recorded = state.get("tracking_uri")
+    if recorded in (shown_uri, uri):
+        return True
+    was_local = state.get("local")
+    if was_local is None:
+        was_local = isinstance(recorded, str) and recorded.startswith("sqlite:///") and recorded.endswith(LOCAL_DB)
+    return local and bool(was_local)
 
 
 def _last_step(client: Any, run: Any) -> int:
