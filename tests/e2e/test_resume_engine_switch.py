@@ -7,47 +7,30 @@ one); its checkpoints at other world sizes are roll-engines' test_fsdp2_checkpoi
 
 from __future__ import annotations
 
-import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from roll_core.testing import constant_answer_task, run_pipeline, tiny_overrides
+from roll_core.testing import run_pipeline
 
-STEPS, BATCH = 4, 8
+sys.path.insert(0, str(Path(__file__).parent))
+from sft_runs import sft_data, sft_overrides
+
 FSDP2 = ("train_engine=fsdp2", "train_engine.world_size=1")
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("switch-data")
-    rows = folder / "sft.jsonl"
-    row = {"completion": "\\boxed{7}"}
-    rows.write_text("".join(json.dumps({"prompt": f"Q{i}: say 7", **row}) + "\n" for i in range(40)))
-    return {"seven": constant_answer_task(folder / "seven.jsonl"), "rows": rows}
+    return sft_data(tmp_path_factory.mktemp("switch-data"))
 
 
 def _overrides(data: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    dropped = ("model.max_response_length", "algo.", "pipeline.max_steps", "pipeline.eval_every", "env.eval_size")
-    base = [o for o in tiny_overrides(data["seven"], out) if not o.startswith(dropped)]
-    return [
-        *base,
-        "pipeline=sft",
-        f"data.path={data['rows']}",
-        "data.eval_size=8",
-        "model.max_response_length=12",
-        "env.eval_size=8",
-        "algo.lr=3e-3",
-        "algo.lr_schedule=cosine",  # the schedule's position must carry across the switches
-        "algo.num_mini_batches=2",
-        f"pipeline.rollout_batch_size={BATCH}",
-        f"pipeline.max_steps={STEPS}",
-        "pipeline.eval_every=0",
-        "pipeline.save_every=1",
-        *extra,
-    ]
+    """test_sft.py's SFT run but for the cosine schedule, whose position must carry across the switches, and a
+    checkpoint every step (each part of the switched run resumes the one before) with no evaluation."""
+    return sft_overrides(data, out, *extra, lr_schedule="cosine", eval_every=0, save_every=1)
 
 
 def _steps(history: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:

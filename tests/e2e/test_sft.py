@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,43 +19,19 @@ from roll_core.errors import ConfigError
 from roll_core.pipelines.objectives.sft import SFTLoss
 from roll_core.posttrain.config import DataConfig
 from roll_core.posttrain.source import load_rows
-from roll_core.testing import constant_answer_task, run_pipeline, tiny_overrides
+from roll_core.testing import run_pipeline, tiny_overrides
 
-#: What every SFT row trains: the answer the env's math reward verifies (`correct` needs the box).
-COMPLETION = "\\boxed{7}"
+sys.path.insert(0, str(Path(__file__).parent))
+from sft_runs import BATCH, COMPLETION, STEPS, sft_data, sft_overrides
+
 #: Trained tokens per row: the character-level tokenizer's ids of COMPLETION and the end-of-turn (eos) token.
 ROW_TOKENS = len(COMPLETION) + 1
-STEPS, BATCH = 4, 8
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("sft-data")
-    rows = folder / "sft.jsonl"
-    # The env task's prompts (constant_answer_task: "Q{i}: say 7") as user turns, the boxed answer as completion.
-    rows.write_text("".join(json.dumps({"prompt": f"Q{i}: say 7", "completion": COMPLETION}) + "\n" for i in range(40)))
-    return {"seven": constant_answer_task(folder / "seven.jsonl"), "rows": rows}
-
-
-def sft_overrides(data: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    dropped = ("model.max_response_length", "algo.", "pipeline.max_steps", "pipeline.eval_every", "env.eval_size")
-    base = [o for o in tiny_overrides(data["seven"], out) if not o.startswith(dropped)]
-    return [
-        *base,
-        "pipeline=sft",
-        f"data.path={data['rows']}",
-        "data.eval_size=8",
-        "model.max_response_length=12",
-        "env.eval_size=8",
-        "algo.lr=3e-3",
-        "algo.lr_schedule=constant",
-        "algo.num_mini_batches=2",
-        f"pipeline.rollout_batch_size={BATCH}",
-        f"pipeline.max_steps={STEPS}",
-        f"pipeline.eval_every={STEPS}",
-        f"pipeline.save_every={STEPS // 2}",
-        *extra,
-    ]
+    """The SFT rows and the env task (sft_runs.sft_data); the runs' overrides: sft_runs.sft_overrides."""
+    return sft_data(tmp_path_factory.mktemp("sft-data"))
 
 
 def steps_of(history: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:

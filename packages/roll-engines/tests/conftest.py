@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -22,13 +23,72 @@ def megatron_process_group():
     """Megatron engines built in the test process share its process group of one (and Megatron's parallel state);
     leave nothing behind for other modules."""
     yield
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    _release_process_group()
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+
+def _release_process_group() -> None:
+    """Destroy this process's default process group and Megatron's parallel state, those that exist."""
+    import sys
+
+    import torch.distributed as dist
+
+    if "megatron.core" in sys.modules:  # (never imported: no parallel state to destroy)
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_process_train_engine():
+    """`build(kind, path, **kw)`: a train engine on one process, kind `hf`, `lora`, `fsdp2`, `fsdp2_lora` or
+    `megatron` (skipped without roll-engines[megatron]); the LoRA kinds at rank 4, alpha 8; fsdp2 and megatron in a
+    gloo group of one. That group and Megatron's parallel state are released after the test: none left behind."""
+
+    def build(kind: str, path: str, **kw: Any) -> Any:
+        if kind == "megatron":
+            pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]'")
+            from roll_engines.train.megatron.engine import MegatronTrainEngine
+
+            return MegatronTrainEngine(path, dist_backend="gloo", use_distributed_optimizer=False, **kw)
+        lora = {"lora_rank": 4, "lora_alpha": 8.0} if kind in ("lora", "fsdp2_lora") else {}
+        if kind in ("fsdp2", "fsdp2_lora"):
+            from roll_engines.train.fsdp2 import FSDP2TrainEngine
+
+            return FSDP2TrainEngine(path, dist_backend="gloo", **kw, **lora)
+        if kind not in ("hf", "lora"):
+            raise ValueError(f"unknown train engine kind {kind!r}: hf, lora, fsdp2, fsdp2_lora or megatron")
+        from roll_engines.train.hf import HFTrainEngine
+
+        return HFTrainEngine(path, **kw, **lora)
+
+    yield build
+    _release_process_group()
+
+
+@pytest.fixture
+def vllm_engine_args():
+    """`engine_args(path, on_cpu=..., dtype=..., **kw)`: roll_engines.infer._vllm_args.engine_args of a small engine
+    (one GPU, 4 sequences of 256 tokens, eager, prefix cache on, half the GPU's memory, seed 0); `kw` adds or
+    overrides keywords. Building them needs no vLLM."""
+    from roll_engines.infer._vllm_args import engine_args
+
+    def build(path: str, *, on_cpu: bool, dtype: str, **kw: Any) -> dict[str, Any]:
+        small: dict[str, Any] = {
+            "seed": 0,
+            "tensor_parallel_size": 1,
+            "max_num_seqs": 4,
+            "max_model_len": 256,
+            "enforce_eager": True,
+            "enable_prefix_caching": True,
+            "trust_remote_code": False,
+            "gpu_memory_utilization": 0.5,
+        }
+        return engine_args(path, on_cpu=on_cpu, dtype=dtype, **{**small, **kw})
+
+    return build
 
 
 @pytest.fixture(scope="session")

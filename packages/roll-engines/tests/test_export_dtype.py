@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,40 +28,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_model("qwen2", tmp_path_factory.mktemp("qwen2"), family="qwen2.5")
 
 
-@pytest.fixture
-def _release_distributed():
-    yield
-    import sys
-
-    import torch.distributed as dist
-
-    if "megatron.core" in sys.modules:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _build(name: str, base: str):
-    kw = {"lr": 1e-2, "dtype": "bfloat16"}
-    if name == "megatron":
-        pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]'")
-        from roll_engines.train.megatron.engine import MegatronTrainEngine
-
-        return MegatronTrainEngine(base, dist_backend="gloo", use_distributed_optimizer=False, **kw)
-    if name.startswith("fsdp2"):
-        from roll_engines.train.fsdp2 import FSDP2TrainEngine
-
-        lora = {"lora_rank": 4, "lora_alpha": 8.0} if name.endswith("lora") else {}
-        return FSDP2TrainEngine(base, dist_backend="gloo", **kw, **lora)
-    from roll_engines.train.hf import HFTrainEngine
-
-    return HFTrainEngine(base, **kw, **({"lora_rank": 4, "lora_alpha": 8.0} if name == "lora" else {}))
-
-
-@pytest.mark.usefixtures("_release_distributed")
 @pytest.mark.parametrize(
     ("engine", "exported"),
     [
@@ -70,10 +38,12 @@ def _build(name: str, base: str):
         ("megatron", "bfloat16"),
     ],
 )
-def test_a_bf16_runs_export_dtype_per_engine(base: str, tmp_path: Path, engine: str, exported: str) -> None:
+def test_a_bf16_runs_export_dtype_per_engine(
+    base: str, tmp_path: Path, engine: str, exported: str, one_process_train_engine: Callable[..., Any]
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    e = _build(engine, base)
+    e = one_process_train_engine(engine, base, lr=1e-2, dtype="bfloat16")
     e.train_step(toy_batch(base), PolicyObjective())
     e.save(tmp_path, base)
     folder = tmp_path / "model"

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -48,41 +50,10 @@ def _greedy(folder: str | Path, **kwargs) -> list[int]:
     return out[0, len(PROMPT[0]) :].tolist()
 
 
-def _build(name: str, base: str):
-    if name == "megatron":
-        pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]'")
-        from roll_engines.train.megatron.engine import MegatronTrainEngine
-
-        return MegatronTrainEngine(base, lr=1e-2, dist_backend="gloo", use_distributed_optimizer=False)
-    if name == "fsdp2":
-        from roll_engines.train.fsdp2 import FSDP2TrainEngine
-
-        return FSDP2TrainEngine(base, lr=1e-2, dist_backend="gloo")
-    from roll_engines.train.hf import HFTrainEngine
-
-    return HFTrainEngine(base, lr=1e-2, **({"lora_rank": 4, "lora_alpha": 8.0} if name == "lora" else {}))
-
-
-@pytest.fixture
-def _release_distributed():
-    """The one-rank gloo group (and Megatron's parallel state) an engine made in this process: none left behind."""
-    yield
-    import sys
-
-    import torch.distributed as dist
-
-    if "megatron.core" in sys.modules:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@pytest.mark.usefixtures("_release_distributed")
 @pytest.mark.parametrize("engine", ["hf", "lora", "fsdp2", "megatron"])
-def test_the_exported_model_stops_on_the_runs_stop_tokens(base: str, tmp_path: Path, engine: str) -> None:
+def test_the_exported_model_stops_on_the_runs_stop_tokens(
+    base: str, tmp_path: Path, engine: str, one_process_train_engine: Callable[..., Any]
+) -> None:
     from transformers import AutoTokenizer, GenerationConfig
 
     tok = AutoTokenizer.from_pretrained(base)
@@ -96,7 +67,7 @@ def test_the_exported_model_stops_on_the_runs_stop_tokens(base: str, tmp_path: P
 
     trainer = SimpleNamespace(
         cfg=SimpleNamespace(model=SimpleNamespace(stop_tokens=names, trust_remote_code=False)),
-        roles=SimpleNamespace(actor_train=_build(engine, base)),
+        roles=SimpleNamespace(actor_train=one_process_train_engine(engine, base, lr=1e-2)),
         objective=SimpleNamespace(state_dict=dict),
         version=0,
         _critics=list,

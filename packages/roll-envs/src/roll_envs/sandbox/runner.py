@@ -220,16 +220,15 @@ class PythonSandbox:
         bpf = filter_program()  # the same filter as the runs': a bwrap that refuses it is a broken sandbox
         handed = [code_fd, ready_w, status_w, *([_memfd_bytes("seccomp", bpf)] if bpf is not None else [])]
         try:
-            argv = _bwrap.bwrap_argv(
-                self._bwrap_path,
-                self._interp,
-                as_root=self._as_root,
-                tmp_bytes=limits.tmp_mb * 1024 * 1024,
-                shm_bytes=limits.shm_mb * 1024 * 1024,
+            # A real run's prefix (its mounts, namespaces, sizes and seccomp filter are what is checked) but for two
+            # fds: an empty program, as `true` runs instead of the interpreter, and no CPU list (no /sys), as `true`
+            # asks no CPU count.
+            argv = self._bwrap_prefix(
+                limits,
                 code_fd=code_fd,
                 status_fd=status_w,
-                extra_ro_binds=self.extra_ro_binds,
                 seccomp_fd=handed[3] if bpf is not None else None,
+                cpus_online_fd=None,
             )
             fds, handed = handed, []  # run_captured closes them
             res = self._captured(
@@ -245,6 +244,32 @@ class PythonSandbox:
             for fd in (ready_r, status_r, stdin_fd, *handed):
                 os.close(fd)
         return res.status == OK
+
+    def _bwrap_prefix(
+        self,
+        limits: SandboxLimits,
+        *,
+        code_fd: int,
+        status_fd: int,
+        seccomp_fd: int | None,
+        cpus_online_fd: int | None,
+    ) -> list[str]:
+        """The bwrap prefix (`bwrap.bwrap_argv`) of one run under `limits`: this sandbox's bwrap, interpreter, uid
+        mode and extra binds, and the limits' /tmp and /dev/shm sizes. The fds are the caller's, all four named: a
+        check run (`_bare_sandbox_works`) hands other ones than a real run (`_run`)."""
+        assert self._bwrap_path is not None
+        return _bwrap.bwrap_argv(
+            self._bwrap_path,
+            self._interp,
+            as_root=self._as_root,
+            tmp_bytes=limits.tmp_mb * 1024 * 1024,
+            shm_bytes=limits.shm_mb * 1024 * 1024,
+            code_fd=code_fd,
+            status_fd=status_fd,
+            extra_ro_binds=self.extra_ro_binds,
+            seccomp_fd=seccomp_fd,
+            cpus_online_fd=cpus_online_fd,
+        )
 
     def run(self, code: str, stdin: str = "") -> RunResult:
         """Run `code` with `stdin`; see the module docstring. Never raises for anything the program does."""
@@ -274,19 +299,9 @@ class PythonSandbox:
             if self.unsandboxed:
                 owned = [fd for fd in owned if fd != ready_w]  # run_captured closes what it hands over
                 return self._run_unsandboxed(code, stdin_fd, ready_r, ready_w, limits)
-            assert self._bwrap_path is not None
             uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if self._as_root else None
-            argv = _bwrap.bwrap_argv(
-                self._bwrap_path,
-                self._interp,
-                as_root=self._as_root,
-                tmp_bytes=limits.tmp_mb * 1024 * 1024,
-                shm_bytes=limits.shm_mb * 1024 * 1024,
-                code_fd=code_fd,
-                status_fd=status_w,
-                extra_ro_binds=self.extra_ro_binds,
-                seccomp_fd=seccomp_fd,
-                cpus_online_fd=online,
+            argv = self._bwrap_prefix(
+                limits, code_fd=code_fd, status_fd=status_w, seccomp_fd=seccomp_fd, cpus_online_fd=online
             )
             handed = (code_fd, ready_w, status_w, *(fd for fd in (seccomp_fd, online) if fd is not None))
             owned = [fd for fd in owned if fd not in handed]
