@@ -11,8 +11,14 @@ An exception `_handle` raises is never lost: Python runs a signal handler wherev
 printed (`Exception ignored in ...`) and the code goes on. Inside the block `sys.unraisablehook` sees such an
 exception of ours: it is not printed, and the same exception is raised again at the next point of the main thread
 outside the hook (a thread delivers the signal once more then; the handler raises it without calling `_handle`, so
-it counts once). A stop signal while a model loaded was lost so (1 Ctrl-C in 8 here): the run trained every step and
-exited 0.
+it counts once); so is one raised while the main thread is in that hook (passing another exception to the hook found
+on entry). A stop signal while a model loaded was lost so (1 Ctrl-C in 8 here): the run trained every step and
+exited 0. The thread delivers it to roll's handler only: where a library's handler is installed then it delivers
+nothing (the library would get a signal the user never sent, and the user's next one was taken for the delivery and
+ignored); the stop stays kept for a subclass's own check (BuildStop.check, run by its `rearm()` and at the build's
+end) or the next signal roll's handler gets. Where a subclass defers a signal (`_defers`: BuildStop inside
+`ray.init`'s connection), a kept stop delivered there waits too, as a first signal there does. After the block,
+roll's hook (a library that wrapped it meanwhile still calls it) passes what it gets to the hook found on entry.
 
 `exiting(program)` is for a process a stop signal already stopped, about to exit (its stop line printed): once Python
 shuts down, a further SIGINT no longer raises KeyboardInterrupt into the shutdown (a second Ctrl-C there printed
@@ -44,6 +50,7 @@ class StopSignals:
         # The exception the last signal raised (and its signal) until the block ends; a lost one waiting to be raised.
         self._raised: tuple[BaseException, int] | None = None
         self._lost: BaseException | None = None
+        # The hook found on entry: kept after the block, where a library's wrapper may still call ours.
         self._hook: Any = None
         # `_lost` is taken under it: by the resend thread (which then delivers the signal once more) or by a caller
         # raising the stop itself (`take_lost`), never both; `_resent` marks the delivery the thread made.
@@ -53,12 +60,18 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         raise NotImplementedError
 
+    def _defers(self, frame: FrameType | None) -> bool:
+        """Whether a stop raised at `frame` must wait (the subclass raises it later itself); none here."""
+        return False
+
     def _dispatch(self, signum: int, frame: FrameType | None) -> None:
         """The installed handler: `_handle`, remembering what it raises; a lost exception is raised again instead."""
         resent, self._resent = self._resent, False
         if self._lost is not None:
             if _inside(frame, _HOOK):  # not in the hook: Python would drop it there too
                 self._start_resend(signum)
+                return
+            if self._defers(frame):  # kept, as a first signal here is: the subclass raises it later
                 return
             with self._lost_lock:
                 lost, self._lost = self._lost, None
@@ -70,15 +83,20 @@ class StopSignals:
         try:
             self._handle(signum, frame)
         except BaseException as exc:
+            if _inside(frame, _HOOK):  # raised out of the hook, Python would print and drop it: delivered again
+                with self._lost_lock:
+                    self._lost = exc
+                self._start_resend(signum)
+                return
             self._raised = (exc, signum)
             raise
 
     def _unraisable(self, info: Any) -> None:
         """sys.unraisablehook inside the block: our exception, swallowed where Python cannot raise it, is raised
-        again (module docstring); anything else goes to the hook found on entry."""
+        again (module docstring); anything else goes to the hook found on entry, also after the block (a library
+        that wrapped this hook meanwhile still calls it)."""
         raised = self._raised
         if raised is None or info.exc_value is not raised[0]:
-            # After the block (a library that wrapped this hook meanwhile still calls it): Python's own hook.
             (self._hook or sys.__unraisablehook__)(info)
             return
         self._raised, self._lost = None, raised[0]
@@ -92,10 +110,15 @@ class StopSignals:
     def _resend(self, signum: int, main: int | None) -> None:
         """Deliver `signum` to the main thread's handler once more (`_thread.interrupt_main`, as a signal arriving)
         as soon as the main thread is out of `_unraisable` (the handler would run in it, at its next check), unless
-        the block ended or a signal raised the lost exception meanwhile."""
+        the block ended or a signal raised the lost exception meanwhile. Only to roll's own handler: a library's would
+        get a signal never sent, and `_resent` would stay set and swallow the user's next one; the stop stays kept
+        (module docstring). A handler swapped after the delivery still gets it: signal.signal runs a pending one
+        with the handler it replaces."""
         while self._lost is not None:
             with self._lost_lock:
                 if self._lost is None:  # raised meanwhile (`take_lost`, a signal)
+                    return
+                if signal.getsignal(signum) != self._dispatch:
                     return
                 if not _inside(sys._current_frames().get(main), _HOOK):
                     self._resent = True
@@ -125,12 +148,13 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        with self._lost_lock:  # first: from here the thread delivers nothing (it would reach the caller's handler)
+            self._raised, self._lost = None, None
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old.clear()  # an instance entered again restores the handlers found then, not the first time's
         if self._hook is not None and sys.unraisablehook == self._unraisable:
             sys.unraisablehook = self._hook
-        with self._lost_lock:
-            self._hook, self._raised, self._lost = None, None, None
 
 
 def exiting(program: str) -> None:

@@ -340,7 +340,7 @@ class BuildStop(StopSignals):
             self._aborted = True
             raise KeyboardInterrupt
         self.signum = signum
-        if _in_ray_init(frame):  # raised by the rearm() after ray.init (see the class docstring)
+        if self._defers(frame):  # raised by the rearm() after ray.init (see the class docstring)
             log.warning(
                 "%s received while Ray starts: stopping once it has started, then shutting down what was started "
                 "(send it again to abort now)",
@@ -365,10 +365,17 @@ class BuildStop(StopSignals):
             # A swallowed abort (the second signal) is an abort still: the build must not finish and train.
             raise KeyboardInterrupt if self._aborted else StoppedWhileBuilding(self.signum)
 
+    def _defers(self, frame: FrameType | None) -> bool:
+        """Inside ray.init's connection: a stop is raised by the rearm() after it (a dropped one re-delivered too)."""
+        return _in_ray_init(frame)
+
     def rearm(self) -> None:
-        """Install the handlers again, after `check()`."""
-        self.check()
-        super().rearm()
+        """`check()`, then install the handlers again, also when it raises: the stop's cleanup (the build's shutdown)
+        runs with them, and a second signal aborts it (Ray's SIGTERM handler, installed by ray.init, took it)."""
+        try:
+            self.check()
+        finally:
+            super().rearm()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
