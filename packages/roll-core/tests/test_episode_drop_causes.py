@@ -241,3 +241,84 @@ def test_an_empty_step_names_failed_resets_and_refused_first_prompts() -> None:
     named = [r[0] for r in reasons({"data/reset_failed_episodes": 4, "data/context_refused_episodes": 0})]
     assert named == ["data/reset_failed_episodes=4"]
     assert [r[0] for r in reasons({"data/context_refused_episodes": 2})] == ["data/context_refused_episodes=2"]
+
+
+# ---- review (REVAG): a refused first request with a failure after it, failure kinds, the final accuracy -------
+
+
+@pytest.mark.parametrize("on_failure", ["score", "drop"])
+def test_a_refused_first_request_is_no_attempt_whatever_the_program_did_after(
+    on_failure: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A win and an episode whose first request the context refused, after which the program returned a non-finite
+    reward (a failure `error`): never attempted, under either policy. Old: eval/failed_episodes 1 (and, under drop,
+    eval/dropped_episodes 1 with a warning that counted it "in eval/n") while eval/n 1 held only the win; in training
+    its cause followed on_failure (failure_dropped under drop, context_refused under score)."""
+    episodes = [_episode(0, None), _episode(1, "error", turns=0, end="max_context")]
+    with caplog.at_level("WARNING"):
+        m = _agent(episodes, on_failure).evaluate(1)
+    assert (m["eval/n"], m["eval/accuracy"], m["eval/context_refused_episodes"]) == (1.0, 1.0, 1.0)
+    assert (m["eval/failed_episodes"], m["eval/failed_error"], m["eval/dropped_episodes"]) == (0.0, 0.0, 0.0)
+    assert "unsuccessful attempts" not in caplog.text  # old: the drop warning, under drop
+    out = StepLog()
+    _agent(episodes, on_failure).next(1, out)
+    counts = {c: out[f"data/{c}_episodes"] for c in CAUSES}
+    assert counts == {"aborted": 0, "reset_failed": 0, "failure_dropped": 0, "context_refused": 1, "unsampled": 0}
+    assert out["agent/failed_episodes"] == 0.0 and out["reward/mean"] == 1.0
+
+
+def test_an_all_failed_agent_evaluation_names_every_failure_kind(caplog: pytest.LogCaptureFixture) -> None:
+    """roll-eval's warning when every held-out agent episode failed names the kinds from eval/failed_<kind>: 1
+    timeout and 2 no_reward (old: "1 env_timeout", from the end reasons, where no_reward ends `terminated`)."""
+    from roll_core.evaluate import episode_result
+
+    m = _agent([_episode(i, f) for i, f in enumerate(["timeout", "no_reward", "no_reward"])], "score").evaluate(1)
+    with caplog.at_level("WARNING"):
+        episode_result(m, "agent", agentic=False)
+    assert "every one of the 3 held-out episode(s) of agent" in caplog.text
+    assert "(1 timeout, 2 no_reward)" in caplog.text, caplog.text
+
+
+def test_an_all_failed_agentic_evaluation_keeps_failed_resets_apart(
+    agentic: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Held out: seed 1's step raises (an attempt, in eval/n 1), seed 5's reset fails (not in eval/n): the warning
+    names 1 env_error among the episodes in n and the reset apart (old: "2 env_error" for eval/n 1)."""
+    from roll_core.evaluate import episode_result
+
+    m = agentic([1, 5], "score").evaluate(1)
+    assert (m["eval/n"], m["eval/failed_episodes"], m["eval/reset_failed_episodes"]) == (1.0, 1.0, 1.0)
+    with caplog.at_level("WARNING"):
+        episode_result(m, "scripted", agentic=True)
+    assert "every one of the 1 held-out episode(s) of scripted" in caplog.text
+    assert "(1 env_error; 1 more failed at reset, not in n)" in caplog.text, caplog.text
+
+
+def test_a_final_evaluation_with_nothing_attempted_has_no_final_accuracy() -> None:
+    """The last evaluation had no outcome (eval/n 0, no eval/accuracy: every reset failed): the run's
+    final_eval_accuracy (what sweepers optimise) is None, not the earlier evaluation's 0.5 passing for the final
+    model's; the best and first are still the evaluations that had a rate."""
+    from roll_core.pipelines._run_summary import run_summary
+
+    history = [
+        {"step": 0, "eval/accuracy": 0.25, "eval/n": 4.0},
+        {"step": 1, "eval/accuracy": 0.5, "eval/n": 4.0},
+        {"step": 2, "reward/mean": 1.0, "eval/n": 0.0, "eval/reset_failed_episodes": 4.0},
+    ]
+    s = run_summary(history, [], wall_seconds=1.0, output_dir="run", signum=None, late=None, collector_summary={})
+    assert s["final_eval_accuracy"] is None  # old: 0.5, step 1's
+    assert (s["best_eval_accuracy"], s["first_eval_accuracy"]) == (0.5, 0.25)
+    # a step that did not evaluate leaves the last evaluation's accuracy final
+    untouched = [*history[:2], {"step": 2, "reward/mean": 1.0}]
+    last = run_summary(untouched, [], wall_seconds=1.0, output_dir="run", signum=None, late=None, collector_summary={})
+    assert last["final_eval_accuracy"] == 0.5
+
+
+def test_the_progress_bar_shows_no_earlier_accuracy_after_an_evaluation_without_one() -> None:
+    """A step whose evaluation had no outcome (eval/n 0) shows no eval_acc (old: the previous evaluation's 0.50
+    stayed, as after a step that did not evaluate); one that did not evaluate keeps it."""
+    from roll_core.pipelines._console import progress_fields
+
+    previous = {"eval_acc": "0.50"}
+    assert "eval_acc" not in progress_fields({"reward/mean": 1.0, "eval/n": 0.0}, previous)
+    assert progress_fields({"reward/mean": 1.0}, previous)["eval_acc"] == "0.50"

@@ -336,14 +336,28 @@ def episode_result(m: dict[str, float], task_name: str, agentic: bool) -> dict[s
 
 
 def _failure_kinds(m: dict[str, Any]) -> str:
-    """How the held-out episodes of evaluate metrics `m` failed, counted from an agentic task's end shares:
-    `3 env_timeout, 1 env_error` ("" without them: an agent program's)."""
+    """How the held-out episodes in `n` of evaluate metrics `m` failed: an agent program's from its counts by kind
+    (eval/failed_<kind>: `1 timeout, 2 no_reward`; the end reasons named no no_reward, which ends `terminated`), an
+    agentic task's from its end shares (`3 env_timeout, 1 env_error`), whose failed resets (an env_error or
+    env_timeout end too, out of `n`) are named apart: subtracted where one kind holds them all."""
+    kinds = {
+        k.removeprefix("eval/failed_"): int(v)
+        for k, v in m.items()
+        if k.startswith("eval/failed_") and k != "eval/failed_episodes" and v
+    }
+    if kinds:  # an agent program (no reset)
+        return ", ".join(f"{v} {k}" for k, v in kinds.items())
     total = sum(
         int(m.get(k) or 0)
         for k in ("eval/n", "eval/aborted_episodes", "eval/reset_failed_episodes", "eval/context_refused_episodes")
     )
-    kinds = [f"{round(m[f'eval/end_{k}'] * total)} {k}" for k in ("env_timeout", "env_error") if m.get(f"eval/end_{k}")]
-    return ", ".join(kinds)
+    ends = {k: round(m[f"eval/end_{k}"] * total) for k in ("env_timeout", "env_error") if m.get(f"eval/end_{k}")}
+    resets = int(m.get("eval/reset_failed_episodes") or 0)
+    if resets and len(ends) == 1:  # every failed reset ended so: what is left is the attempts'
+        ends = {k: v - resets for k, v in ends.items()}
+        return ", ".join(f"{v} {k}" for k, v in ends.items()) + f"; {resets} more failed at reset, not in n"
+    named = ", ".join(f"{v} {k}" for k, v in ends.items())
+    return f"{named}; {resets} of them at reset, not in n" if resets and named else named
 
 
 def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:

@@ -44,12 +44,13 @@ _EVAL_KEY, _EVAL_SHORT, _EVAL_FMT = next(f for f in PROGRESS_FIELDS if f[0] == "
 def progress_fields(out: dict[str, Any], previous: dict[str, str] | None = None) -> dict[str, str]:
     """The progress bar's postfix: the PROGRESS_FIELDS the step logged. The held-out accuracy of the last evaluation
     (in `previous`, the last postfix) stays on a step that did not evaluate: the run's headline number was shown
-    nowhere in the console until the summary (`acc` is the training batch's)."""
+    nowhere in the console until the summary (`acc` is the training batch's). A step that evaluated without an
+    accuracy (`eval/n` 0: no held-out episode had an outcome) shows none, not the earlier one as its own."""
     fields = {}
     for key, short, fmt in PROGRESS_FIELDS:
         if out.get(key) is not None:
             fields[short] = fmt.format(out[key])
-        elif key == _EVAL_KEY and previous and short in previous:
+        elif key == _EVAL_KEY and previous and short in previous and "eval/n" not in out:
             fields[short] = previous[short]
     return fields
 

@@ -7,8 +7,9 @@ Contract (pure functions of their arguments: no I/O, no logging; `end_status` ma
   process's: the loop checkpoints them, `skipped_evals` in state.json). `final_eval_accuracy` is the last logged
   held-out accuracy, except for a complete run (`signum` None) whose last logged step is a skipped one: None, whether
   the skip was this process's (a signal in the last step) or an earlier one's (a resume that trains nothing), since
-  an earlier step's accuracy would pass for the final model's. `skipped` names every skipped evaluation, the final
-  one as `final evaluation (step N)`.
+  an earlier step's accuracy would pass for the final model's; None too when the last evaluation logged no accuracy
+  (`eval/n` 0: an episode collector none of whose held-out episodes had an outcome). `skipped` names every skipped
+  evaluation, the final one as `final evaluation (step N)`.
 - `end_status` is `stopped by signal N (resume from <checkpoint> | no checkpoint to resume from)` for a stopped run;
   for a complete one `finished`, or, when evaluations were skipped, `finished: every step trained ...; <who> skipped
   the <evaluations>` with the roll-eval command's checkpoint for a skipped final evaluation (`<who>`: the signal
@@ -41,11 +42,15 @@ def run_summary(
     step (`final_reward_step`), wall time, folder, `stopped_by_signal` (`signum`), `late_signal` (`late`),
     `skipped`, `empty_steps`, then the collector's own entries (see the module docstring)."""
     evals = [h["eval/accuracy"] for h in history if h.get("eval/accuracy") is not None]
+    # the last evaluation's own accuracy: an episode collector's with no outcome (eval/n 0) logs none, and the one
+    # before it passed for the final model's (a sweeper optimised it)
+    evaluated = [h for h in history if "eval/accuracy" in h or "eval/n" in h]
+    final = evaluated[-1].get("eval/accuracy") if evaluated else None
     rewards = [(h["step"], h["reward/mean"]) for h in history if h.get("reward/mean") is not None]
     last = max((h["step"] for h in history), default=None)
     final_skipped = signum is None and last in skipped_evals  # (a late signal skipped it, maybe before a resume)
     return {
-        "final_eval_accuracy": evals[-1] if evals and not final_skipped else None,
+        "final_eval_accuracy": final if not final_skipped else None,
         "best_eval_accuracy": max(evals, default=None),
         "first_eval_accuracy": evals[0] if evals else None,
         # the last step that logged one: a last step without a reward (empty, its rewards all failed) read None

@@ -5,14 +5,15 @@ Contract: every episode a training step ran is kept or dropped for exactly one c
 - `aborted`: the engine aborted or refused its last turn for good (or the collector closed): `Trajectory.untrained`;
 - `reset_failed`: its environment failed at reset (or its first observation could not be encoded): no turn was
   asked of the policy (pipeline=agentic only; an agent program has no reset);
-- `failure_dropped`: an environment step (or the agent program) failed and `env.on_failure=drop` leaves it out;
 - `context_refused`: its first prompt left no room within the context (`max_context_length`, the engine's):
-  no turn was sampled;
+  no turn was sampled, whatever an agent program did after the refusal (a non-finite reward it then returned is no
+  attempt's failure: out of agent/failed_* and eval/failed_*, this cause under either on_failure);
+- `failure_dropped`: an environment step (or the agent program) failed and `env.on_failure=drop` leaves it out;
 - `unsampled`: any other episode without a sampled turn to train on (its first turn sampled a picture
   placeholder and was cut; an agent program that failed, or finished, before its first request).
 
 `drop_metrics` logs the total as data/dropped_episodes (what users and the docs read) and one count per cause:
-data/aborted_episodes, data/reset_failed_episodes, data/failure_dropped_episodes, data/context_refused_episodes,
+data/aborted_episodes, data/reset_failed_episodes, data/context_refused_episodes, data/failure_dropped_episodes,
 data/unsampled_episodes, which add up to it.
 
 Outcomes (`no_attempt`): an episode whose reset failed or whose first prompt the context refused was never an
@@ -35,8 +36,8 @@ log = logging.getLogger(__name__)
 CAUSES = {
     "aborted": "data/aborted_episodes",
     "reset_failed": "data/reset_failed_episodes",
-    "failure_dropped": "data/failure_dropped_episodes",
     "context_refused": "data/context_refused_episodes",
+    "failure_dropped": "data/failure_dropped_episodes",
     "unsampled": "data/unsampled_episodes",
 }
 
@@ -63,12 +64,10 @@ def drop_cause(untrained: bool, turns: int, end: str, dropped_failure: bool, env
     if untrained:
         return "aborted"
     missed = no_attempt(turns, end, env_failures)
-    if missed == "reset_failed":
+    if missed is not None:  # never attempted: what followed (a program's failure after the refusal) is no attempt's
         return missed
     if dropped_failure:
         return "failure_dropped"
-    if missed is not None:
-        return missed
     return None if turns else "unsampled"
 
 

@@ -23,8 +23,9 @@ episode rate). Evaluation drops nothing: a failed held-out episode is an unsucce
 `env.failure_reward` whatever `on_failure` says, in eval/n and eval/failed_episodes (those `drop` keeps out of training
 also in eval/dropped_episodes, with a warning). An episode without a sampled turn gives nothing to train on
 (data/unsampled_episodes; a failed one is still scored in the reward metrics, its failure is the program's); one whose
-first request the context refused (HTTP 400, no turn sampled) was never an attempt of the policy: out of the reward and
-episode metrics and of eval/n too (data/context_refused_episodes, eval/context_refused_episodes). Every episode left out
+first request the context refused (HTTP 400, no turn sampled) was never an attempt of the policy, whatever the program
+did after: out of the reward and episode metrics, agent/failed_* and eval/n too (data/context_refused_episodes,
+eval/context_refused_episodes). Every episode left out
 of the batch is counted in data/dropped_episodes and in the count of its cause
 (roll_core.pipelines.collectors._episode_drops). An episode that ended at `env.max_turns` or the context limit (its last
 request refused with HTTP 400) is not a failure, whatever the program did with the refusal, timing out included: it
@@ -435,16 +436,19 @@ def _as_number(value: Any) -> float | None:
 
 def agent_metrics(episodes: list[Episode], drop_failures: bool = False) -> dict[str, float]:
     """Reward, success, turns, tokens, tool calls and failures of finished episodes (failed ones with their failure
-    reward). The end reasons, the failure counts and the endpoint's counters are over every episode, the rest over those
-    with an outcome: not aborted (an aborted one's partial length and reward describe the engine's refusal, not the
-    policy), nor refused its first request by the context (`Episode.context_refused`), nor failed when `drop_failures`
+    reward). The end reasons and the endpoint's counters are over every episode, the failure counts over the attempted
+    ones (neither aborted nor context-refused), the rest over those with an outcome: not aborted (an aborted one's
+    partial length and reward describe the engine's refusal, not the policy), nor refused its first request by the
+    context (`Episode.context_refused`, whatever the program did after), nor failed when `drop_failures`
     (`env.on_failure=drop` in training: the episode is not trained, and the metrics describe what was). With none, the
     reward and episode metrics are absent (a reward/mean of 0.0 over no episode read as a policy scoring 0)."""
     everyone, n_all = episodes, max(len(episodes), 1)
     episodes = [e for e in episodes if not e.aborted]
-    failures = Counter(e.failure for e in episodes if e.failure)
     aborted = len(everyone) - len(episodes)
     episodes = [e for e in episodes if not e.context_refused]  # never attempted: no outcome (_episode_drops)
+    # an attempt's failures only: a refused first request's program that then returned a non-finite reward was
+    # counted failed (in eval/failed_episodes, "in eval/n") though out of eval/n (its drop cause is context_refused)
+    failures = Counter(e.failure for e in episodes if e.failure)
     if drop_failures:
         episodes = [e for e in episodes if not e.failure]
     n = max(len(episodes), 1)
