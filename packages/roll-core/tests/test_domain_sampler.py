@@ -188,3 +188,32 @@ def test_counts_not_summing_to_the_batch_size_are_refused_before_any_model_loads
     with pytest.raises(ConfigError, match=r"sums to 5; it must equal pipeline\.rollout_batch_size=8"):
         prompt_collectors.check(cfg, Mixed({"math": 3, "code": 1, "ifeval": 1}))
     prompt_collectors.check(cfg, Mixed({"math": 4, "code": 1, "ifeval": 3}))  # summing to 8: accepted
+
+
+def test_a_resume_with_another_batch_size_is_said_under_weights_and_refused_under_counts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """pipeline.rollout_batch_size changed on resume: a weights mix went on with the new size (each domain's
+    distinctness window) and nothing said so; a counts cycle restarted at its old slot in a cycle of another size."""
+    weights = {"math": 2.0, "code": 1.0, "ifeval": 1.0}
+    saved = DomainSampler(SLICES, weights=weights, counts={}, batch_size=8, seed=5)
+    saved.next(8), saved.next(8)
+    state = saved.state_dict()
+    wider = DomainSampler(SLICES, weights=weights, counts={}, batch_size=16, seed=5)
+    with caplog.at_level("INFO", logger="roll_core.data"):
+        wider.load_state_dict(state)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "roll_core.data"]
+    assert "pipeline.rollout_batch_size=16 (the checkpoint's was 8)" in line
+    assert wider.draws == saved.draws and wider.samplers["math"].position == saved.samplers["math"].position
+    caplog.clear()
+    with caplog.at_level("INFO", logger="roll_core.data"):  # the same size: nothing to say
+        DomainSampler(SLICES, weights=weights, counts={}, batch_size=8, seed=5).load_state_dict(state)
+        older = {k: v for k, v in state.items() if k != "batch_size"}  # a checkpoint of before: size not known
+        DomainSampler(SLICES, weights=weights, counts={}, batch_size=16, seed=5).load_state_dict(older)
+    assert not [r for r in caplog.records if r.name == "roll_core.data"]
+    counted = DomainSampler(SLICES, weights={}, counts={"math": 4, "code": 1, "ifeval": 3}, batch_size=8, seed=5)
+    counted.next(3)
+    doubled = DomainSampler(SLICES, weights={}, counts={"math": 8, "code": 2, "ifeval": 6}, batch_size=16, seed=5)
+    refused = r"a cycle of 8 prompts per batch .*resume with pipeline\.rollout_batch_size=8"
+    with pytest.raises(ConfigError, match=refused):
+        doubled.load_state_dict(counted.state_dict())

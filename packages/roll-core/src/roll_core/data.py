@@ -17,8 +17,11 @@ refills, one at a time):
   saved no head continues its epoch in the order it was saved with; later epochs follow the contract.
 `DomainSampler` mixes several domains (slices of one training list) by fixed per-batch counts or random weights;
 each domain keeps its own epoch order under the same contract (W: its count per batch, or the batch size for
-weights), and its state (each domain's state, draws made) resumes exactly too (the same domains in the same order
-and sizes; otherwise a ConfigError naming them). `check_counts`: fixed counts sum to the batch size. `make_sampler`
+weights), and its state (each domain's state, draws made, the batch size) resumes exactly too (the same domains in
+the same order and sizes; otherwise a ConfigError naming them). A resume with another batch size (a changed
+pipeline.rollout_batch_size) is logged under weights (the mix goes on; each domain's window is the new size from its
+next epoch on) and a ConfigError under counts (the cycle of counts is one batch long; the config check refuses
+env.counts not summing to it first). `check_counts`: fixed counts sum to the batch size. `make_sampler`
 warns when a batch must repeat prompts: a training set (or a domain, for its fixed count or its weight's expected
 share) smaller than one batch.
 """
@@ -208,7 +211,8 @@ class DomainSampler:
         return min(s.progress() for s in drawn)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"draws": self.draws, "domains": {d: s.state_dict() for d, s in self.samplers.items()}}
+        states = {d: s.state_dict() for d, s in self.samplers.items()}
+        return {"draws": self.draws, "batch_size": self.batch_size, "domains": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved mix exactly. Other domains, the same domains in another order (each domain's order
@@ -234,9 +238,28 @@ class DomainSampler:
                     f"the checkpoint's data position is for {s.get('size')} training prompts of domain {d!r}; this "
                     f"run has {self.samplers[d].size}: resume with the data the run was saved with, or start a new run"
                 )
+        self._check_batch_size(state.get("batch_size"))  # (absent from checkpoints of before: not known)
         for d, s in state["domains"].items():
             self.samplers[d].load_state_dict(s)
         self.draws = state["draws"]
+
+    def _check_batch_size(self, saved: int | None) -> None:
+        """A checkpoint drawn with batches of another size: counts' cycle of slots would restart mid-cycle in
+        another one (a ConfigError); weights' draws go on, said once (it continued silently)."""
+        if saved is None or int(saved) == self.batch_size:
+            return
+        if self.counts:
+            raise ConfigError(
+                f"the checkpoint's domain mix is a cycle of {saved} prompts per batch (env.counts); this run has "
+                f"pipeline.rollout_batch_size={self.batch_size}: resume with pipeline.rollout_batch_size={saved}"
+            )
+        log.info(
+            "the domain mix resumes with pipeline.rollout_batch_size=%d (the checkpoint's was %d): env.weights' "
+            "shares are unchanged; each domain keeps its prompts distinct within a batch of the new size from its "
+            "next epoch on",
+            self.batch_size,
+            int(saved),
+        )
 
 
 def check_counts(counts: Mapping[str, int], batch_size: int) -> None:

@@ -11,9 +11,11 @@
   system prompt and worked examples), metadata and pictures.
 - `reward` is a `DomainReward`: each row is scored by the reward of its domain (rows grouped per domain, one call
   per domain, prompts/metadata passed to rewards that declare them, and what is left of the caller's
-  `time_budget_s` to those that declare it); a row whose domain has no reward (a row from outside this task)
-  scores 0 and counts in `unknown_domain`. The sub-rewards' counters add up, and their `failed` rows (a remote
-  verifier that gave up) stay failed.
+  `time_budget_s` to those that declare it); a row whose domain has no reward (a row from outside this task, or
+  one whose metadata names no domain) is no answer: it scores 0, is flagged `failed` (the reward guard counts it
+  in `failed_unscored`, evaluation as a failure, never a wrong answer), counts in `unknown_domain` and is logged
+  (once per domain and reward). The sub-rewards' counters add up, and their `failed` rows (a remote verifier that
+  gave up) stay failed.
 - Sampling (`roll_core.data.DomainSampler`, built by the prompts collectors from `domain_slices()` and
   `mixture()`): `counts` gives each domain a fixed number of prompts per batch (summing to
   `pipeline.rollout_batch_size`); otherwise `weights` (a domain not named weighs 1: default equal) draws each
@@ -70,6 +72,7 @@ class DomainReward(Reward):
         if not rewards:
             raise ValueError("a multi-domain reward needs at least one domain")
         self.rewards = dict(rewards)
+        self._logged: set[str] = set()  # domains without a reward already logged (a step's rows would repeat it)
 
     def score(
         self,
@@ -88,12 +91,26 @@ class DomainReward(Reward):
         scores, correct, formatted, failed = [0.0] * n, [0.0] * n, [0.0] * n, [False] * n
         counters: dict[str, int] = {"unknown_domain": 0}
         rows: dict[str, list[int]] = {}
+        unknown: dict[str, int] = {}
         for i, meta in enumerate(metadata):
             domain = meta.get("domain")
             if domain in self.rewards:
                 rows.setdefault(domain, []).append(i)
-            else:
+            else:  # no reward to ask: a failed row (its 0 read as a wrong answer, unflagged and unlogged, before)
                 counters["unknown_domain"] += 1
+                failed[i] = True
+                unknown[repr(domain)] = unknown.get(repr(domain), 0) + 1
+        if unknown.keys() - self._logged:
+            self._logged |= unknown.keys()
+            log.warning(
+                "env=multi: %d of %d rows are of domain(s) without a reward here (%s; this task's domains: %s): "
+                "scored 0 and flagged failed, counted in reward/unknown_domain and reward/failed_unscored "
+                "(logged once per domain)",
+                sum(unknown.values()),
+                n,
+                ", ".join(f"{d}: {c}" for d, c in unknown.items()),
+                sorted(self.rewards),
+            )
         for domain, idx in rows.items():
             reward = self.rewards[domain]
             context = {

@@ -115,8 +115,11 @@ class PromptCollector:
         check_task(cfg, self.task)
         check_context(cfg.infer_engine.max_model_len, self.tokenizer, cfg.model.chat_template_kwargs)
         self.train_set = self.task.train_set()
-        # Held-out problems beyond pipeline.eval_size: neither trained nor evaluated (`_data_counts`).
-        self.eval_set, self.eval_cut = first_eval_size(self.task.eval_set(), cfg.pipeline.eval_size)
+        # Held-out problems beyond pipeline.eval_size: neither trained nor evaluated (`_data_counts`); a cut leaving
+        # a domain out is a warning when the run evaluates.
+        self.eval_set, self.eval_cut = first_eval_size(
+            self.task.eval_set(), cfg.pipeline.eval_size, evaluates=cfg.pipeline.eval_every > 0
+        )
         # A vision-language model's prompt processor (None for text); pictures for a text model end the run here.
         self.processor = vision_processor(ctx.model_path, self.tokenizer, cfg.model)
         check_pictures(self.processor, [*self.train_set, *self.eval_set], cfg.model.path)
