@@ -55,6 +55,8 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(ray, "shutdown", shutdown)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 8.0})
     monkeypatch.setattr("roll_hw.resolve_platform", lambda name=None: CpuPlatform)
+    # No Ray answers at cluster.address here: the fake init stands for one that does.
+    monkeypatch.setattr("roll_core.cluster.ray_address.unreachable", lambda address, timeout_s=5.0: "")
     return state
 
 
@@ -163,9 +165,12 @@ def test_a_stop_inside_ray_init_stops_what_it_started(
     assert len(fake_ray["inits"]) == 1 and fake_ray["shutdowns"] == 1
 
 
-def test_a_refused_setting_before_ray_init_stops_nothing(fake_ray: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError, match=r"cluster\.resources\.GPU=1\.5"):
-        Cluster(ClusterConfig(backend="ray", resources={"GPU": 1.5}), HwConfig(platform="cpu"))
+def test_a_refused_setting_before_ray_init_stops_nothing(
+    fake_ray: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("roll_core.cluster.ray_address.unreachable", lambda address, timeout_s=5.0: "refused")
+    with pytest.raises(ConfigError, match=r"cluster\.address=10\.0\.0\.1:6379: no Ray cluster to join: refused"):
+        Cluster(ClusterConfig(backend="ray", address="10.0.0.1:6379"), HwConfig(platform="cpu"))
     assert fake_ray["inits"] == [] and fake_ray["shutdowns"] == 0
 
 

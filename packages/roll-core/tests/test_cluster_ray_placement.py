@@ -7,6 +7,8 @@
   PyTorchJob pod has (RANK=3, WORLD_SIZE=8, MASTER_PORT, torchrun's agent-store switch) reached a rank of one as they
   were (its engine's process group waited for 7 ranks that never come) and the ranks of a group beside the ones it
   exported. A rank of one now sees none, a group of two only its own.
+- Reward workers (0.25 CPU each, outside placement groups) beyond what the instance holds waited
+  `cluster.placement_timeout_s` too; now they are a ConfigError at once, and later placement groups count them.
 - `cluster.resources.GPU` (the schema's example for tests) is handed to Ray as `num_gpus`: as a custom resource
   Ray's `init` refused it with an AssertionError.
 
@@ -132,6 +134,40 @@ def test_a_placement_the_instance_cannot_hold_is_a_config_error_at_once(cluster:
     assert ray.is_initialized()
 
 
+def test_reward_workers_beyond_the_instance_are_a_config_error_at_once(cluster: Any) -> None:
+    """Reward workers take 0.25 CPU each outside placement groups: 9 of them on 2 CPUs, or 5 beside a 1-CPU bundle,
+    never start (they waited cluster.placement_timeout_s, then failed as workers that did not start); they are a
+    ConfigError at once naming pipeline.reward_workers, and a placement group made after them counts them."""
+    t0 = time.monotonic()
+    with pytest.raises(
+        ConfigError,
+        match=r"placement of reward \(9 x \{'CPU': 0\.25\}\) needs 2\.25 CPU \(it holds 2\) .*"
+        r"Lower pipeline\.reward_workers or cluster\.cpus_per_worker",
+    ):
+        cluster.group(LaunchEnvGroup, "reward", 9)
+    held = cluster.group(LaunchEnvGroup, "actor_infer", 1)
+    try:
+        with pytest.raises(
+            ConfigError, match=r"needs 2\.25 CPU \(it holds 2\) with the placement groups of actor_infer"
+        ):
+            cluster.group(LaunchEnvGroup, "reward", 5)
+        reward = cluster.group(LaunchEnvGroup, "reward", 1)
+        try:
+            with pytest.raises(
+                ConfigError,
+                match=r"placement of critic .* needs 2\.25 CPU \(it holds 2\) with the placement groups of "
+                r"actor_infer and the workers of reward",
+            ):
+                cluster.group(LaunchEnvGroup, "critic", 1)
+        finally:
+            reward.shutdown()
+        assert time.monotonic() - t0 < 60, "waited for workers that never start"
+        assert list(cluster._pgs) == ["actor_infer"]
+    finally:
+        held.shutdown()
+        cluster._remove_placement_groups(["actor_infer"])
+
+
 def test_cluster_resources_gpu_is_handed_to_ray_as_its_gpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checked by Ray's own parameter validation (what `ray.init` runs first), without starting an instance."""
     ray = pytest.importorskip("ray")
@@ -149,7 +185,7 @@ def test_cluster_resources_gpu_is_handed_to_ray_as_its_gpu_count(monkeypatch: py
     monkeypatch.setattr(ray, "init", init)
     Cluster(ClusterConfig(backend="ray", num_cpus=2, resources={"GPU": 2, "accel": 1}), HwConfig(platform="cpu"))
     assert seen["num_gpus"] == 2 and seen["resources"] == {"accel": 1}
-    with pytest.raises(ConfigError, match=r"cluster\.resources\.CPU: Ray counts CPU itself.*cluster\.num_cpus"):
+    with pytest.raises(ValueError, match=r"cluster\.resources\.CPU: Ray counts CPU itself.*cluster\.num_cpus"):
         Cluster(ClusterConfig(backend="ray", resources={"CPU": 4}), HwConfig(platform="cpu"))
-    with pytest.raises(ConfigError, match=r"cluster\.resources\.GPU=1\.5: a Ray instance holds a whole number"):
+    with pytest.raises(ValueError, match=r"cluster\.resources\.GPU=1\.5: a Ray instance holds a whole number"):
         Cluster(ClusterConfig(backend="ray", resources={"GPU": 1.5}), HwConfig(platform="cpu"))

@@ -1,16 +1,19 @@
 """Cluster set-up for a run: platform, backend (local or Ray), and placement of each role's workers.
 
 Placement from `cluster.placement`:
-- `colocated`: the device roles (actor_train, actor_infer, reference, critic) share one placement group of
-  `max(world_size)` bundles; rank r of every role sits on bundle r and takes a fractional device share, so the
-  roles time-share the same devices.
+- `colocated`: the device roles (actor_train, actor_infer, reference, critic) share one placement group of as many
+  bundles as the first of them has ranks (actor_train's; actor_infer's where nothing trains: a later role with more
+  is refused, by roll_core.pipelines.wiring before any role starts); rank r of every role sits on bundle r and
+  takes a fractional device share, so the roles time-share the same devices.
 - `disaggregated`: each device role gets its own placement group and whole devices.
 A role's own `placement` (reward_model.placement) may choose `disaggregated` in a colocated cluster, not
 `colocated` in a disaggregated one (the trainer's devices are its own there: a ConfigError).
 On a Ray instance the run starts itself (fixed resources, reserved by this run alone) a placement group that does
 not fit beside the run's others is a ConfigError at once, not a wait of `cluster.placement_timeout_s`; its
 `cluster.resources.GPU` is Ray's GPU count (`num_gpus`). Reward workers need no device and are scheduled freely with
-a small CPU share. On the CPU platform the bundles
+a small CPU share (on an instance the run started, more than its CPUs hold is a ConfigError at once too). A
+`cluster.address` where no Ray answers is a ConfigError before `ray.init`, which would retry it without end
+(roll_core.cluster.ray_address). On the CPU platform the bundles
 hold CPU only. Ray itself sets the visible-devices variable of GPU/NPU workers for the devices it assigns.
 `cluster.num_cpus`, `cluster.resources` and `cluster.ray_token_auth` apply to a Ray instance the run starts: set
 (not default) with `cluster.address` or a Ray already running in the process they are a ConfigError;
@@ -40,6 +43,8 @@ from roll_hw import Platform
 log = logging.getLogger(__name__)
 G = TypeVar("G", bound=WorkerGroup)
 DEVICE_ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward_model")
+#: The keys that size the roles scheduled outside placement groups (named when they cannot fit).
+FREE_ROLE_KEYS = {"reward": "pipeline.reward_workers", "env": "env.num_workers"}
 
 
 def is_device_role(role: str) -> bool:
@@ -172,6 +177,7 @@ class Cluster:
         self._fault_totals: dict[str, int] = {}  # counts already reported by fault_metrics()
         self._pgs: dict[str, Any] = {}
         self._node_devices: dict[str, int] = {}  # node id -> device bundles placed there by this run
+        self._free_groups: list[tuple[WorkerGroup, float]] = []  # groups outside placement groups, CPUs per worker
         self._started_ray = False
         if cfg.backend == "ray":
             try:
@@ -227,6 +233,16 @@ class Cluster:
         # Ours from the call on: ray.init interrupted (a stop signal, StoppedWhileBuilding) or failing after it started
         # its processes or connected leaves them running, and ray.shutdown() is what stops them (a no-op otherwise).
         if self.cfg.address:
+            from roll_core.cluster.ray_address import unreachable
+
+            # ray.init retries an address where no Ray answers without end (roll_core.cluster.ray_address).
+            why = unreachable(self.cfg.address)
+            if why:
+                raise ConfigError(
+                    f"cluster.address={self.cfg.address}: no Ray cluster to join: {why}. Start one there "
+                    "(`ray start --head`), correct the address, or leave cluster.address null to start a Ray instance "
+                    "for this run"
+                )
             self._started_ray = True
             ray.init(address=self.cfg.address, **kwargs)
             return
@@ -236,18 +252,10 @@ class Cluster:
         kwargs["num_cpus"] = self.cfg.num_cpus or logical_cpus()  # = ${roll_logical_cpus:} (a pod's CPUs)
         resources = dict(self.cfg.resources)
         # Ray takes GPUs as a count of its own (`num_gpus`), never among custom resources: +cluster.resources.GPU=2
-        # (the schema's example, for tests on a CPU machine) failed in ray.init with an AssertionError.
+        # (the schema's example, for tests on a CPU machine) failed in ray.init with an AssertionError. A fractional
+        # count and Ray's own keys (CPU, memory) are refused by ClusterConfig.
         if "GPU" in resources:
-            gpus = resources.pop("GPU")
-            if gpus != int(gpus):
-                raise ConfigError(f"cluster.resources.GPU={gpus:g}: a Ray instance holds a whole number of GPUs")
-            kwargs["num_gpus"] = int(gpus)
-        reserved = sorted(set(resources) & {"CPU", "memory", "object_store_memory"})
-        if reserved:
-            raise ConfigError(
-                f"cluster.resources.{reserved[0]}: Ray counts {reserved[0]} itself, not as a custom resource"
-                + (": set cluster.num_cpus" if reserved[0] == "CPU" else "")
-            )
+            kwargs["num_gpus"] = int(resources.pop("GPU"))
         if resources:
             kwargs["resources"] = resources
         # Ray's token authentication (on by default for a new local instance since Ray 2.5x) stays on unless the
@@ -382,10 +390,10 @@ class Cluster:
         return {g.name: g.call(Worker.node_info) for g in self.groups}
 
     def _beyond_own_instance(self, bundle: dict[str, float], n: int) -> str:
-        """What `n` bundles of `bundle`, beside this run's placement groups, need beyond the totals of a Ray instance
-        this run started here ("8 CPU (it holds 4)"; "" when they fit, or on a joined cluster, which may grow or
-        free resources).
-        Such an instance is fixed and nothing but this run reserves from it: a group that does not fit never will."""
+        """What `n` bundles of `bundle`, beside this run's placement groups and freely scheduled workers (reward,
+        env), need beyond the totals of a Ray instance this run started here ("8 CPU (it holds 4)"; "" when they
+        fit, or on a joined cluster, which may grow or free resources).
+        Such an instance is fixed and nothing but this run reserves from it: what does not fit never will."""
         if not self._started_ray or self.cfg.address:
             return ""
         import ray
@@ -395,33 +403,44 @@ class Cluster:
             for spec in pg.bundle_specs:
                 for k, v in spec.items():
                     need[k] = need.get(k, 0.0) + v
+        for g, cpus in self._free_groups:  # a group shut down holds nothing (its workers are gone)
+            need["CPU"] = need.get("CPU", 0.0) + cpus * len(g.workers)
         total = ray.cluster_resources()
         over = [(k, v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0) + 1e-9]
         return ", ".join(f"{v:g} {k} (it holds {t:g})" for k, v, t in over)
+
+    def _refuse_beyond_own_instance(self, role: str, bundle: dict[str, float], n: int, what: str) -> None:
+        """ConfigError when `n` workers of `bundle` cannot fit the Ray instance this run started (they would wait
+        cluster.placement_timeout_s for nothing); `what` names the keys that size them."""
+        short = self._beyond_own_instance(bundle, n)
+        if not short:
+            return
+        free = [g.name for g, cpus in self._free_groups if g.workers and cpus]
+        workers = f" and the workers of {', '.join(free)}" if free else ""
+        raise ConfigError(
+            f"placement of {role} ({n} x {bundle}) needs {short} with the placement groups of "
+            f"{', '.join(self._pgs) or 'no other role'}{workers}: more than the Ray instance this run started "
+            f"holds, so it would wait cluster.placement_timeout_s={self.cfg.placement_timeout_s:g}s for nothing. "
+            f"Lower {what} or cluster.cpus_per_worker, give the instance more (cluster.num_cpus, "
+            "+cluster.resources.<name>)" + (", or use cluster.placement=colocated" if is_device_role(role) else "")
+        )
 
     def _wait_ready(self, pg: Any, role: str, bundle: dict[str, float], n: int) -> None:
         """Wait for a placement group; a cluster that cannot host it gets an error saying what was asked."""
         import ray
         from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import remove_placement_group
 
-        short = self._beyond_own_instance(bundle, n)
-        if short:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(pg)
-            raise ConfigError(
-                f"placement of {role} ({n} x {bundle}) needs {short} with the placement groups of "
-                f"{', '.join(self._pgs) or 'no other role'}: more than the Ray instance this run started holds, so "
-                f"it would wait cluster.placement_timeout_s={self.cfg.placement_timeout_s:g}s for nothing. "
-                "Lower the roles' world_size (train_engine.world_size, infer_engine.world_size) or "
-                "cluster.cpus_per_worker, give the instance more (cluster.num_cpus, +cluster.resources.<name>), or "
-                "use cluster.placement=colocated"
+        try:
+            self._refuse_beyond_own_instance(
+                role, bundle, n, "the roles' world_size (train_engine.world_size, infer_engine.world_size)"
             )
+        except ConfigError:
+            remove_placement_group(pg)
+            raise
         try:
             ray.get(pg.ready(), timeout=self.cfg.placement_timeout_s)
         except GetTimeoutError as exc:
-            from ray.util.placement_group import remove_placement_group
-
             remove_placement_group(pg)
             raise RuntimeError(
                 f"placement of {role} ({n} x {bundle}, strategy {self.cfg.strategy}) not ready after "
@@ -458,11 +477,13 @@ class Cluster:
         else:
             pgs_before, devices_before = dict(self._pgs), dict(self._node_devices)
             try:
-                opts = (
-                    self._placement(role, world_size, devices_per_worker, placement)
-                    if is_device_role(role)
-                    else RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25))
-                )
+                if is_device_role(role):
+                    opts = self._placement(role, world_size, devices_per_worker, placement)
+                else:
+                    opts = RayOptions(num_cpus=min(self.cfg.cpus_per_worker, 0.25))
+                    # Not in a placement group, yet as bounded: more than the instance holds never starts.
+                    keys = FREE_ROLE_KEYS.get(role, f"the number of {role} workers")
+                    self._refuse_beyond_own_instance(role, {"CPU": opts.num_cpus}, world_size, keys)
                 opts.python, opts.max_concurrency = python, max_concurrency
                 group = group_cls(
                     group_cls.worker_cls,
@@ -483,6 +504,8 @@ class Cluster:
                 raise
         group.death_hint = self.resume_hint
         self.groups.append(group)
+        if self.cfg.backend == "ray" and not is_device_role(role):
+            self._free_groups.append((group, min(self.cfg.cpus_per_worker, 0.25)))
         return group
 
     def resume_hint(self) -> str:
@@ -550,7 +573,7 @@ class Cluster:
         the ones before raised: a group whose shutdown failed left the others' actors, every placement group and
         Ray running for the next run in this process. The first error is raised at the end, the others logged."""
         errors: list[BaseException] = []
-        groups, self.groups = self.groups, []
+        groups, self.groups, self._free_groups = self.groups, [], []
         for g in groups:
             try:
                 g.shutdown()

@@ -159,6 +159,16 @@ class ClusterConfig:
             raise ValueError(f"cluster.num_cpus={self.num_cpus} must be >= 1 (or null: all cores)")
         for name, amount in self.resources.items():
             positive(f"cluster.resources.{name}", amount, allow_zero=True)
+        # Here, not only where Ray starts: `--cfg job` then refuses them too (it printed them as fine).
+        reserved = sorted(set(self.resources) & {"CPU", "memory", "object_store_memory"})
+        if reserved:
+            raise ValueError(
+                f"cluster.resources.{reserved[0]}: Ray counts {reserved[0]} itself, not as a custom resource"
+                + (": set cluster.num_cpus" if reserved[0] == "CPU" else "")
+            )
+        gpus = self.resources.get("GPU", 0.0)
+        if gpus != int(gpus):  # Ray takes GPUs as a count of its own (num_gpus)
+            raise ValueError(f"cluster.resources.GPU={gpus:g}: a Ray instance holds a whole number of GPUs")
         positive("cluster.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
         positive("cluster.placement_timeout_s", self.placement_timeout_s)
         positive("cluster.max_concurrent", self.max_concurrent, allow_zero=True)

@@ -143,6 +143,7 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
     if needs is None:
         needs = RoleNeeds(train=True, reference=algo.use_reference, critic=algo.use_critic)
     te, ie = cfg.train_engine, cfg.infer_engine
+    _check_colocated_layout(cfg, needs)  # before any role starts: a mismatch found later wasted their model loads
     _refuse_vision(te, model_path)
     if ie.structured and needs.train:  # the trainer must score the same constrained distribution the rollout sampled
         from hydra.utils import get_object
@@ -242,6 +243,35 @@ def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleN
         for name, path in needs.teachers.items()
     }
     return Roles(actor_train, actor_infer, reference, critic, reference_is_base, sampling, n_mini, teachers, critics)
+
+
+def _check_colocated_layout(cfg: RLVRConfig, needs: RoleNeeds) -> None:
+    """On Ray, colocated device roles share the placement group the first of them makes (roll_core.cluster.launch):
+    one single-device bundle per rank of actor_train (of actor_infer where nothing trains). An inference engine
+    spanning several devices per worker, or a later role with more ranks (actor_infer, reward_model), was refused
+    only when its turn came, after the roles before it had started and loaded their models: here, before any."""
+    if cfg.cluster.backend != "ray" or cfg.cluster.placement != "colocated":
+        return
+    te, ie, rm = cfg.train_engine, cfg.infer_engine, cfg.reward_model
+    if ie.devices_per_worker() > 1:
+        raise ConfigError(
+            f"infer_engine={ie.name} spans {ie.devices_per_worker()} devices per worker (tensor_parallel_size), but "
+            "cluster.placement=colocated gives every rank one device bundle: use cluster.placement=disaggregated, "
+            "or infer_engine.tensor_parallel_size=1"
+        )
+    first, size = (
+        ("train_engine.world_size", te.world_size) if needs.train else ("infer_engine.world_size", ie.world_size)
+    )
+    later = [("infer_engine.world_size", ie.world_size)] if needs.train else []
+    if rm is not None and rm.enabled and (rm.placement or cfg.cluster.placement) == "colocated":
+        later.append(("reward_model.world_size", rm.world_size))
+    for key, n in later:
+        if n > size:
+            raise ConfigError(
+                f"{key}={n}, but cluster.placement=colocated shares the {size} device bundle(s) of {first}={size} "
+                f"among the device roles: set {key} <= {size} (or raise {first}), or use "
+                "cluster.placement=disaggregated"
+            )
 
 
 def _check_colocated_share(cfg: RLVRConfig, needs: RoleNeeds, *, reference_built: bool) -> None:
