@@ -40,8 +40,8 @@ How a sweep runs (`roll-train -m algo=grpo,ppo algo.lr=1e-6,3e-6 hydra/launcher=
   folder; every job record carries that id, so a sweep run again into the same folder summarises and counts its own
   jobs only (the earlier sweep's records are left out, with a warning).
 - Trackers see one sweep as one group: each job's `tracking.group` (unless given) is "<experiment>-<sweep folder>"
-  (W&B group, MLflow experiment, SwanLab group) and its `tracking.run_name` (unless given) is
-  "<experiment>-<job number>", so the jobs are distinct runs of one group (`sweep_tracking`).
+  (W&B group, MLflow experiment, SwanLab group) and its `tracking.run_name` is "<experiment>-<job number>" (one
+  given without interpolation: "<name>-<job number>"), so the jobs are distinct runs of one group (`sweep_tracking`).
 - After the last job, `SweepSummaryCallback.on_multirun_end` finds this sweep's job records anywhere under the sweep
   folder (job folders nest with `hydra.sweep.subdir=${hydra.job.override_dirname}`), writes `summary.csv`, `summary.md`
   and `rewards.png` (every job's reward curve, one line per job; roll_core.sweep_summary) into it, each whole or not at
@@ -76,6 +76,7 @@ from roll_core._sweep_folders import claim_folder, folder_owner, refused_folder,
 from roll_core._sweep_tracking import sweep_group as sweep_group  # re-exported: its home was here
 from roll_core._sweep_tracking import sweep_tracking
 from roll_core.errors import ConfigError
+from roll_core.eval_history import no_outcome_in
 from roll_core.sweep_optuna import prepare_study_storage, unwatch, watch_sweep
 from roll_core.sweep_records import STATUS_FILE, job_labels, job_records, write_record
 from roll_core.sweep_resume import check_resumed_folder, record_folder_run
@@ -221,12 +222,20 @@ def job_value(record: dict[str, Any]) -> float | None:
 
 
 def _no_final_accuracy(record: dict[str, Any], value: Any) -> str:
-    """Why an `ok` job has no finite final accuracy: a stop skipped it (summary's `skipped`), NaN, or none logged."""
-    final = [str(s) for s in (record.get("summary") or {}).get("skipped") or [] if str(s).startswith("final eval")]
+    """Why an `ok` job has no finite final accuracy: a stop skipped it (summary's `skipped`), NaN, its last
+    evaluation attempted nothing (eval/n 0, no accuracy: roll_core.eval_history), or none logged."""
+    summary = record.get("summary") or {}
+    final = [str(s) for s in summary.get("skipped") or [] if str(s).startswith("final eval")]
     if final:
         return f"a stop skipped its {final[0]}: roll-eval its last checkpoint for it"
     if value is not None:
         return "the evaluation gave a non-finite accuracy"
+    # evaluations that attempted nothing were blamed on pipeline.eval_every=0, which the job did not set
+    why = no_outcome_in(summary.get("output_dir"))
+    if why is None and summary.get("best_eval_accuracy") is not None:  # its metrics.jsonl unread: an earlier had one
+        why = "last evaluation had no outcome (eval/n 0)"
+    if why is not None:
+        return f"its {why}: no held-out episode was attempted; the job's log says why"
     return "no held-out evaluation was logged: pipeline.eval_every=0 evaluates nothing"
 
 

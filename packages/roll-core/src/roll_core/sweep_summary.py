@@ -10,8 +10,10 @@ Contract: `write_summary(sweep_dir, found)` writes one row per job record in `fo
   or failing while it writes leaves the earlier file (or none) and no temporary one. A plot that fails is logged and
   the tables are still written; an error writing a table is raised (roll_core.sweep counts the failures before).
 - A job's final held-out accuracy is its run summary's where the record holds one (missing where a stop skipped its
-  final evaluation, its error cell saying so), else the last one its metrics.jsonl logged; best_* values skip NaN;
-  a time not recorded is "-", never 0.
+  final evaluation, its error cell saying so), else its metrics.jsonl's last evaluation's own (missing where that
+  one had no outcome, `eval/n` 0: the last LOGGED accuracy is an earlier model's; roll_core.eval_history); a missing
+  one whose last evaluation had no outcome says so in an empty error cell; best_* values skip NaN; a time not
+  recorded is "-", never 0.
 - With no job record, summary.md says so and an earlier sweep's summary.csv and rewards.png are removed (never shown as
   this sweep's).
 """
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from roll_core.eval_history import last_eval_accuracy, no_outcome
 from roll_core.sweep_records import STATUS_FILE, job_labels
 
 # The sweep's logger: the summary's messages stay under the name they had in roll_core.sweep.
@@ -57,7 +60,7 @@ def write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) -> 
         # NaN and skipped a later one)
         finite_rewards = [r for _, r in rewards if _finite(r)]
         finite_evals = [a for a in evals if _finite(a)]
-        final_eval, skipped_note = _final_eval(st, evals)
+        final_eval, final_note = _final_eval(st, hist)
         # One curve per job, named with its number: two jobs with the same swept values (a repeat, an Optuna trial
         # that samples a point again) are two lines, not one overwriting the other.
         curves.append((label if label == f"job {st.get('job')}" else f"{st.get('job')}: {label}", rewards))
@@ -72,7 +75,7 @@ def write_summary(sweep_dir: Path, found: list[tuple[Path, dict[str, Any]]]) -> 
                 "best_eval_accuracy": max(finite_evals, default=None),
                 "wall_seconds": _seconds(st.get("wall_seconds")),
                 "queued_seconds": _seconds(st.get("queued_seconds")),
-                "error": st.get("error", "") or skipped_note,
+                "error": st.get("error", "") or final_note,
                 "overrides": " ".join(st["overrides"]),
             }
         )
@@ -131,18 +134,23 @@ def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _final_eval(record: dict[str, Any], evals: list[Any]) -> tuple[Any, str]:
+def _final_eval(record: dict[str, Any], hist: list[dict[str, Any]]) -> tuple[Any, str]:
     """A job's final held-out accuracy and a note for its error cell: its run summary's where the record holds one
     (None when a stop skipped the final evaluation, whose model the last logged accuracy is not: the note names the
-    skipped evaluations), else the last one its metrics.jsonl logged (a failed or killed job) and no note."""
+    skipped evaluations), else its metrics.jsonl's last evaluation's own (a failed or killed job: None when that
+    evaluation attempted nothing, whose model an earlier logged accuracy is not either). A missing one whose last
+    evaluation had no outcome gets that as its note."""
     summary = record.get("summary")
     if not isinstance(summary, dict) or "final_eval_accuracy" not in summary:
-        return (evals[-1] if evals else None), ""
-    skipped = summary.get("skipped") if record.get("status") == "ok" else None
-    note = ""
-    if isinstance(skipped, list) and skipped:
-        note = f"skipped by a stop: {', '.join(map(str, skipped))} (roll-eval the checkpoint)"
-    return summary["final_eval_accuracy"], note
+        final, note = last_eval_accuracy(hist), ""
+    else:
+        final, note = summary["final_eval_accuracy"], ""
+        skipped = summary.get("skipped") if record.get("status") == "ok" else None
+        if isinstance(skipped, list) and skipped:
+            note = f"skipped by a stop: {', '.join(map(str, skipped))} (roll-eval the checkpoint)"
+    if final is None and not note:
+        note = no_outcome(hist) or ""
+    return final, note
 
 
 def _finite(v: Any) -> bool:

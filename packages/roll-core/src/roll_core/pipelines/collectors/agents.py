@@ -28,13 +28,14 @@ did after: out of the reward and episode metrics, agent/failed_* and eval/n too 
 eval/context_refused_episodes). Every episode left out
 of the batch is counted in data/dropped_episodes and in the count of its cause
 (roll_core.pipelines.collectors._episode_drops). An episode that ended at `env.max_turns` or the context limit (its last
-request refused with HTTP 400) is not a failure, whatever the program did with the refusal, timing out included: it
-ended there, scored the reward it reported, else 0 (the limit is the policy's doing: dropping such episodes hid a policy
-that loops on tool calls). An episode whose last request the engine refused (HTTP 503 `engine_aborted`, no turn sampled
-after it: the session keeps it `untrained`, end `abort`) is no failure of the agent's, whatever the program did with the
-refusal: like `pipeline=agentic`'s untrained episodes it is left out of the batch (its row would train nothing yet count
-in its group's reward statistics), counted in data/aborted_episodes (agent/aborted_episodes), not in agent/failed_*, and
-out of the reward and episode metrics; only episode/end_abort counts it.
+request refused with HTTP 400) is not a failure, whatever the program did with the refusal, timing out or returning a
+value that is no finite number included (that value is logged): it ended there, scored the reward it reported (a
+finite number it returned, else one it POSTed), else 0 (the limit is the policy's doing: dropping such episodes hid a
+policy that loops on tool calls). An episode whose last request the engine refused (HTTP 503 `engine_aborted`, no turn
+sampled after it: the session keeps it `untrained`, end `abort`) is no failure of the agent's, whatever the program did
+with the refusal: like `pipeline=agentic`'s untrained episodes it is left out of the batch (its row would train
+nothing yet count in its group's reward statistics), counted in data/aborted_episodes (agent/aborted_episodes), not in
+agent/failed_*, and out of the reward and episode metrics; only episode/end_abort counts it.
 
 A request in flight when its episode's session closes (the episode timed out) is aborted; one that does not answer
 the abort within `pipeline.async_abort_timeout_s`, or whose answer raises, is given up (roll_core.agentic.turn_gate)
@@ -367,6 +368,8 @@ class AgentCollector:
         if failure is not None:
             log.warning("episode %s failed (%s): %s", sid, failure, error or "no reward reported")
             reward = self.task.failure_reward
+        elif error:  # a limit ended it: what the program returned after is no failure, but is not silently lost
+            log.warning("episode %s ended at its %s limit; %s", sid, session.traj.end, error)
         traj = session.finish(reward, _END[failure])
         if failure == "timeout":  # not the `abort` its closing left on a request in flight: the episode timed out
             traj.end = "env_timeout"
@@ -394,7 +397,9 @@ _END = {None: "terminated", "error": "env_error", "timeout": "env_timeout", "no_
 
 
 def _outcome(result: dict[str, Any], session: AgentSession, timed_out: bool) -> tuple[float, str | None, str]:
-    """(reward, failure kind or None, error text) of a finished program run."""
+    """(reward, failure kind or None, error text) of a finished program run. An episode a limit ended (end
+    `max_turns`/`max_context`) is no failure whatever the program did: a value it returned that is no finite number
+    scores the reward it reported before, else 0, with the text of what it returned (logged, no failure)."""
     exc = result.get("error")
     # The endpoint refused the last request past a limit: the episode ended there, whatever the program did after
     # (checked first: one that then hung until the episode timeout is no failure either, see the module docstring).
@@ -414,6 +419,11 @@ def _outcome(result: dict[str, Any], session: AgentSession, timed_out: bool) -> 
     if value is None:
         return 0.0, "no_reward", ""
     number = _as_number(value)
+    if (number is None or not math.isfinite(number)) and limited:
+        # what it returned after the refusal is no failure either (it read `error`, dropped under on_failure=drop):
+        # the reward it reported before, else 0; the text is logged, not a failure
+        kept = session.reward if session.reward is not None else 0.0
+        return kept, None, f"the program returned {value!r}, not a finite number: scored {kept:g}"
     if number is None or not math.isfinite(number):
         return 0.0, "error", f"the program returned {value!r}, not a finite number"
     return number, None, ""

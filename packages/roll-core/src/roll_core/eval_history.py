@@ -1,0 +1,53 @@
+"""A run's last held-out evaluation, read from its metrics history (metrics.jsonl records, as a resume leaves them).
+
+Contract (pure functions of the history, except `no_outcome_in`, which reads a run folder's metrics.jsonl):
+- An evaluation is a record holding `eval/accuracy` or `eval/n` (every pipeline's evaluation logs `eval/n`; an
+  episode collector none of whose held-out episodes had an outcome logs `eval/n` 0 and no `eval/accuracy`:
+  roll_core.pipelines.collectors._episode_drops). `last_evaluation` is the latest one, None without any.
+- `last_eval_accuracy` is that evaluation's own `eval/accuracy` (a NaN as logged), None when it logged none: never
+  an earlier evaluation's, which would pass for the final model's (the rule of the run summary's
+  `final_eval_accuracy`, roll_core.pipelines._run_summary). The last LOGGED accuracy is not the last evaluation's.
+- `no_outcome` says why the last evaluation has no accuracy when it had no outcome (`last evaluation (step 4) had
+  no outcome (eval/n 0: eval/reset_failed_episodes=4)`), None when it has one or there is no evaluation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+#: What an evaluation with no outcome logged instead, most telling first (the episode collectors' counts).
+_NOT_ATTEMPTED = ("eval/reset_failed_episodes", "eval/context_refused_episodes", "eval/aborted_episodes")
+
+
+def last_evaluation(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The history's last evaluation record (module docstring), None when nothing was evaluated."""
+    return next((h for h in reversed(history) if "eval/accuracy" in h or "eval/n" in h), None)
+
+
+def last_eval_accuracy(history: list[dict[str, Any]]) -> Any:
+    """The last evaluation's own accuracy: None when it logged none (nothing attempted) or nothing was evaluated."""
+    last = last_evaluation(history)
+    return last.get("eval/accuracy") if last is not None else None
+
+
+def no_outcome(history: list[dict[str, Any]]) -> str | None:
+    """Why the last evaluation logged no accuracy (see the module docstring); None when it logged one or none ran."""
+    last = last_evaluation(history)
+    if last is None or last.get("eval/accuracy") is not None:
+        return None
+    counts = [f"{k}={last[k]:g}" for k in _NOT_ATTEMPTED if isinstance(last.get(k), (int, float)) and last[k]]
+    n = last.get("eval/n")
+    what = f"eval/n {n:g}" if isinstance(n, (int, float)) else "no eval/accuracy"
+    return f"last evaluation (step {last.get('step')}) had no outcome ({what}" + (
+        f": {', '.join(counts)})" if counts else ")"
+    )
+
+
+def no_outcome_in(folder: str | Path | None) -> str | None:
+    """`no_outcome` of the run in `folder` (its metrics.jsonl; None without a folder or a file)."""
+    if not folder:
+        return None
+    from roll_core.report import read_history  # (reads roll_core.tracking: kept off this module's import)
+
+    return no_outcome(read_history(Path(folder) / "metrics.jsonl"))
