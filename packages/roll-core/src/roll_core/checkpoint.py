@@ -237,6 +237,34 @@ def named_checkpoint_folder(folder: str | Path) -> Path | None:
     )
 
 
+def not_a_run_hint(folder: str | Path) -> str:
+    """Why `pipeline.resume_from=<folder>` finds no run there (it holds no complete checkpoint under
+    `checkpoints/`), with the value that does, for its error: no such folder; a run's `checkpoints/` folder itself
+    (the run folder or one `step_N` is meant); a folder inside a checkpoint (its `actor/`, `actor/model`: the
+    checkpoint is meant, or `model.path` for a new run from its weights); a run whose only saves did not finish.
+    The error named `<folder>/checkpoints`, a folder that did not exist, and nothing of what was meant."""
+    folder = Path(folder).expanduser()
+    if not folder.exists():
+        return "no such folder"
+    if folder.name == "checkpoints":
+        latest = CheckpointManager(folder.parent).latest()
+        if latest is not None:
+            return (
+                f"it is the checkpoints/ folder of the run {folder.parent}: pipeline.resume_from={folder.parent} "
+                f"continues it from its latest checkpoint ({latest.name}), pipeline.resume_from={latest} from that one"
+            )
+    for inside in folder.parents:
+        if inside.parent.name == "checkpoints" and (inside / "state.json").is_file():
+            return (
+                f"it lies inside the checkpoint {inside}: pipeline.resume_from={inside} resumes from it; to start a "
+                f"new run from its weights: model.path={inside / 'actor' / 'model'}"
+            )
+    unfinished = sorted(p.name for p in (folder / "checkpoints").glob("step_*.tmp"))
+    if unfinished:
+        return f"only a save that did not finish: {', '.join(unfinished)}"
+    return "no checkpoints/step_N folder with a state.json"
+
+
 def _why_incomplete(folder: Path) -> str:
     """Why `list()` does not take `folder`, a `step_*` folder of a `checkpoints/` folder."""
     name = folder.name

@@ -153,7 +153,12 @@ def resolve_run_folder(out: Path, resume: bool, resume_from: str | None, experim
         # A named checkpoint is complete (named_checkpoint checked it): a user's copy (`checkpoints/best`) in a run
         # folder holding no `step_N` was refused as "no complete checkpoint" though it is the one to resume from.
         if named is None and _latest_checkpoint(folder) is None:
-            raise ConfigError(f"pipeline.resume_from={resume_from}: no complete checkpoint under {folder}/checkpoints")
+            from roll_core.checkpoint import not_a_run_hint
+
+            raise ConfigError(
+                f"pipeline.resume_from={resume_from}: no complete checkpoint under {folder}/checkpoints "
+                f"({not_a_run_hint(folder)})"
+            )
         # A named checkpoint's newer ones are moved aside by the loop once its config was accepted (`set_aside_newer`):
         # a refused resume leaves the run as it was.
         return folder

@@ -27,7 +27,9 @@ from torch import Tensor
 
 from roll_core.checkpoint import fsync_dir, fsync_tree
 from roll_engines.train import _vision as V
+from roll_engines.train._checkpoint_fit import refuse_unfit
 from roll_engines.train._lora import (
+    ADAPTER,
     adapter_weights,
     base_model,
     in_parents,
@@ -190,6 +192,9 @@ class HFWeightsAndCheckpoints:
         Adam's moments and the schedule's position come from the checkpoint (the position re-based when a training
         step now takes another number of optimizer steps: _settings.rebased).
 
+        A folder of another engine (Megatron's), of a run without this role, or saved with LoRA on where this engine
+        has it off (or the reverse) is refused first, naming both sides (roll_engines.train._checkpoint_fit).
+
         All or nothing: a folder that fails to load (a missing or corrupt shard, no `optimizer/` or `engine.pt`)
         raises, on every rank, and leaves the engine as it was. `engine.pt` and `model/` are read and checked
         (every parameter filled, nothing else, shapes) before anything is written; the optimizer's state is read
@@ -204,6 +209,10 @@ class HFWeightsAndCheckpoints:
         checkpoint's moments at step 0, and a stepped one with them beside its own weights, with no word of it.)"""
         folder = Path(folder)
         weights = small = None
+        # A folder of another engine, role or LoRA setting is refused by name before anything is read.
+        lora_rank = int(self.model.peft_config[ADAPTER].r) if self.lora else 0
+        fit = lambda: refuse_unfit(folder, self.name, self.role, lora_rank, self.optimizer is not None)
+        self._on_every_rank(fit, f"checking {folder}")
         if not self.lora:  # (LoRA: the base stays what model_path holds; only the adapter was trained)
             weights = self._on_every_rank(lambda: self._read_weights(folder / "model"), f"reading {folder / 'model'}")
             self._check_full_weights(weights)
@@ -300,9 +309,15 @@ def fsync_written(folder: Path, rank: int, coordinator: bool) -> None:
 
 
 def _read_engine_state(folder: Path) -> dict[str, Any]:
-    """A checkpoint's `engine.pt` (scheduler, scaler), after checking it has an `optimizer/` (local)."""
+    """A checkpoint's `engine.pt` (scheduler, scaler), after checking it has an `optimizer/` (local); one without
+    `engine.pt` (another engine's is refused before: _checkpoint_fit) says what is missing."""
     if not (folder / "optimizer").is_dir():
         raise FileNotFoundError(f"{folder} has no optimizer checkpoint (optimizer/): it is a weights-only folder")
+    if not (folder / "engine.pt").is_file():
+        raise FileNotFoundError(
+            f"{folder} has optimizer/ but no engine.pt (the LR schedule's position and the loss scaler): the "
+            "checkpoint is incomplete (a file lost or not copied); resume from another checkpoint"
+        )
     return torch.load(folder / "engine.pt", map_location="cpu", weights_only=True)
 
 
