@@ -13,12 +13,16 @@ exception of ours: it is not printed, and the same exception is raised again at 
 outside the hook (a thread delivers the signal once more then; the handler raises it without calling `_handle`, so
 it counts once); so is one raised while the main thread is in that hook (passing another exception to the hook found
 on entry). A stop signal while a model loaded was lost so (1 Ctrl-C in 8 here): the run trained every step and
-exited 0. The thread delivers it to roll's handler only: where a library's handler is installed then it delivers
-nothing (the library would get a signal the user never sent, and the user's next one was taken for the delivery and
-ignored); the stop stays kept for a subclass's own check (BuildStop.check, run by its `rearm()` and at the build's
-end) or the next signal roll's handler gets. Where a subclass defers a signal (`_defers`: BuildStop inside
-`ray.init`'s connection), a kept stop delivered there waits too, as a first signal there does. After the block,
-roll's hook (a library that wrapped it meanwhile still calls it) passes what it gets to the hook found on entry.
+exited 0. The thread delivers it to roll's handler only: while a library's handler is installed it waits (the
+library would get a signal the user never sent, and the user's next one was taken for the delivery and ignored),
+and delivers it once roll's handler is back (the library restored it, a subclass's `rearm()`); a subclass's own
+check takes it meanwhile (BuildStop.check, run by its `rearm()` and at the build's end), as does the next signal
+roll's handler gets. One still kept when the block ends without an error is logged (a warning), not raised: what it
+would have stopped is over. Where a subclass defers a signal (`_defers`: BuildStop inside `ray.init`'s
+connection), a kept stop delivered there waits too, as a first signal there does; a signal sent there is the next
+one (a second aborts at once). After the block, roll's hook (a library that wrapped it meanwhile still calls it)
+passes what it gets to the hook found on entry. A handler found on entry that was installed outside Python (which
+Python cannot put back) is replaced by the default action on exit.
 
 `exiting(program)` is for a process a stop signal already stopped, about to exit (its stop line printed): once Python
 shuts down, a further SIGINT no longer raises KeyboardInterrupt into the shutdown (a second Ctrl-C there printed
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import _thread
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -40,6 +45,8 @@ from types import FrameType
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+log = logging.getLogger(__name__)
 
 
 class StopSignals:
@@ -71,13 +78,19 @@ class StopSignals:
             if _inside(frame, _HOOK):  # not in the hook: Python would drop it there too
                 self._start_resend(signum)
                 return
-            if self._defers(frame):  # kept, as a first signal here is: the subclass raises it later
-                return
-            with self._lost_lock:
-                lost, self._lost = self._lost, None
-            if lost is not None:
-                self._raised = (lost, signum)
-                raise lost.with_traceback(None)
+            if self._defers(frame):
+                if resent:  # kept, as a first signal here is: the subclass raises it later
+                    return
+                # A signal sent here is the next one (a second aborts): deferred too, no Ctrl-C ended a hung
+                # `ray.init` connection. The kept stop goes (the abort replaces it).
+                with self._lost_lock:
+                    self._lost = None
+            else:
+                with self._lost_lock:
+                    lost, self._lost = self._lost, None
+                if lost is not None:
+                    self._raised = (lost, signum)
+                    raise lost.with_traceback(None)
         if resent:  # the thread's delivery of a stop the caller raised meanwhile (`take_lost`): not a new signal
             return
         try:
@@ -111,20 +124,21 @@ class StopSignals:
         """Deliver `signum` to the main thread's handler once more (`_thread.interrupt_main`, as a signal arriving)
         as soon as the main thread is out of `_unraisable` (the handler would run in it, at its next check), unless
         the block ended or a signal raised the lost exception meanwhile. Only to roll's own handler: a library's would
-        get a signal never sent, and `_resent` would stay set and swallow the user's next one; the stop stays kept
-        (module docstring). A handler swapped after the delivery still gets it: signal.signal runs a pending one
-        with the handler it replaces."""
+        get a signal never sent, and `_resent` would stay set and swallow the user's next one; while one is installed
+        the thread waits for roll's to be back (a subclass's `rearm()`, the library's restore; module docstring). A
+        handler swapped after the delivery still gets it: signal.signal runs a pending one with the handler it
+        replaces."""
         while self._lost is not None:
             with self._lost_lock:
                 if self._lost is None:  # raised meanwhile (`take_lost`, a signal)
                     return
-                if signal.getsignal(signum) != self._dispatch:
-                    return
-                if not _inside(sys._current_frames().get(main), _HOOK):
+                ours = signal.getsignal(signum) == self._dispatch
+                if ours and not _inside(sys._current_frames().get(main), _HOOK):
                     self._resent = True
                     _thread.interrupt_main(signum)
                     return
-            time.sleep(0.001)
+            # Giving up here lost the stop: an evaluation went on to its end after the user's Ctrl-C.
+            time.sleep(0.001 if ours else 0.02)
 
     def take_lost(self) -> BaseException | None:
         """The swallowed exception waiting to be raised again, taken (the resend thread then delivers nothing): for
@@ -149,12 +163,23 @@ class StopSignals:
 
     def __exit__(self, *exc: Any) -> None:
         with self._lost_lock:  # first: from here the thread delivers nothing (it would reach the caller's handler)
-            self._raised, self._lost = None, None
+            kept, self._raised, self._lost = self._lost, None, None
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            # None: a handler installed outside Python, which Python cannot put back (signal.signal(sig, None)
+            # raised TypeError here, leaving roll's handler and hook installed and replacing the block's exception).
+            signal.signal(sig, signal.SIG_DFL if old is None else old)
         self._old.clear()  # an instance entered again restores the handlers found then, not the first time's
         if self._hook is not None and sys.unraisablehook == self._unraisable:
             sys.unraisablehook = self._hook
+        if kept is not None and exc[1] is None:
+            # Not raised: what it would have stopped is over (roll-eval's models all evaluated, the run's wrap-up
+            # done; raised now, finished work was reported as stopped); said, not silently dropped.
+            log.warning(
+                "a stop signal's %s, dropped by Python (raised in a __del__ or weakref callback), was not raised "
+                "again before %s ended (another handler than roll's was installed meanwhile, or the block ended first)",
+                type(kept).__name__,
+                type(self).__name__,
+            )
 
 
 def exiting(program: str) -> None:
