@@ -110,7 +110,7 @@ def _engines(lora: int = 4, targets="all-linear", infer=C.VLLMInferEngineConfig,
 
 
 def test_config_errors_where_adapter_sync_cannot_work() -> None:
-    assert adapter_rank(*_engines()) == 4
+    assert adapter_rank(*_engines()) == 4 and adapter_rank(*_engines(lora=512)) == 512
     assert adapter_rank(C.HFTrainEngineConfig(lora_rank=4), C.VLLMInferEngineConfig()) == 0  # merged: the default
     cases = {
         "set train_engine.lora_rank > 0": _engines(lora=0),
@@ -120,6 +120,8 @@ def test_config_errors_where_adapter_sync_cannot_work() -> None:
         r"names \['lm_head'\]": _engines(targets=["q_proj", "lm_head"]),
         r"names \['embed_tokens'\]": _engines(targets=r".*\.(embed_tokens|v_proj)"),
         "sleep_level=2 discards": _engines(sleep_level=2),
+        # vLLM's largest LoRA rank: refused here, not after the trainer's workers had loaded the model.
+        rf"lora_rank=1024: infer_engine=vllm serves LoRA adapters up to rank {vllm_max_rank(512)}": _engines(lora=1024),
     }
     for message, (te, ie) in cases.items():
         with pytest.raises(ConfigError, match=message):

@@ -6,7 +6,8 @@ them as the runtime key `lora_rank`): the trainer's `lora_rank` under `lora_sync
 default: merged weights, which every engine takes). Adapter sync is a ConfigError, naming what to change, when
 - the trainer has no adapter (`train_engine.lora_rank=0`) or cannot export it alone (its class lacks
   `adapter_sync`: Megatron's adapters are fused per tensor-parallel layer),
-- the inference engine cannot serve adapters (its class lacks `lora_adapters`: hf, sglang),
+- the inference engine cannot serve adapters (its class lacks `lora_adapters`: hf, sglang), or not of this rank
+  (above its class's `max_lora_rank`: vLLM's 512; it refused only when it started, after the trainer had loaded),
 - the adapter targets layers an adapter-serving engine cannot take as LoRA (embeddings and the output head),
 - `sleep_level=2`, which discards the engines' base weights, which adapter syncs never resend.
 """
@@ -45,10 +46,17 @@ def adapter_rank(train_engine: Any, infer_engine: Any) -> int:
             "infer_engine.lora_sync=adapter sends the trainer's LoRA adapter alone: set train_engine.lora_rank > 0 "
             "(or infer_engine.lora_sync=merged)"
         )
-    if not getattr(get_object(ie._target_), "lora_adapters", False):
+    infer_cls = get_object(ie._target_)
+    if not getattr(infer_cls, "lora_adapters", False):
         raise ConfigError(
             f"infer_engine={ie.name} cannot serve LoRA adapters: infer_engine.lora_sync=adapter needs "
             "infer_engine=vllm; with this engine use infer_engine.lora_sync=merged"
+        )
+    limit = getattr(infer_cls, "max_lora_rank", None)
+    if limit is not None and te.lora_rank > limit:
+        raise ConfigError(
+            f"train_engine.lora_rank={te.lora_rank}: infer_engine={ie.name} serves LoRA adapters up to rank {limit}; "
+            "lower train_engine.lora_rank, or use infer_engine.lora_sync=merged"
         )
     if not getattr(get_object(te._target_), "adapter_sync", False):
         raise ConfigError(

@@ -90,7 +90,7 @@ from torch import Tensor
 from roll_core.interfaces import GenerateOutput, Request, RequestOutput, SamplingParams, UnsupportedSamplingError
 from roll_core.models import resolve_model_path
 from roll_engines.infer import _vllm_inproc as inproc
-from roll_engines.infer._adapters import AdapterSync
+from roll_engines.infer._adapters import VLLM_RANKS, AdapterSync
 from roll_engines.infer._bucket_channel import BucketSender
 from roll_engines.infer._rows import DriverAborts, row_requests, run_rows
 from roll_engines.infer._stop_checks import check_stops
@@ -117,6 +117,8 @@ class VLLMInferEngine(VLLMWeightUpdates, VLLMMemory, DriverAborts):
     structured_outputs: ClassVar[bool] = True
     #: Serves the trainer's LoRA adapter on its base (`lora_rank`; infer_engine.lora_sync=adapter).
     lora_adapters: ClassVar[bool] = True
+    #: The largest adapter rank vLLM serves (roll_core.config.lora_sync refuses more before any worker starts).
+    max_lora_rank: ClassVar[int] = VLLM_RANKS[-1]
     #: Why this engine cannot run: another in-process engine's shutdown took the process's parallel groups.
     _groups_lost: str | None = None
 
