@@ -55,13 +55,10 @@ from torch import Tensor
 
 from roll_engines.train.megatron import _rope as R
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
-MOE = ("qwen3_moe", "qwen2_moe")
+# check_supported and SUPPORTED are re-exported: the engine calls C.check_supported before building anything
+from roll_engines.train.megatron._supported import SUPPORTED, check_supported, is_moe  # noqa: F401
+
 _EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
-
-
-def is_moe(hf_config: Any) -> bool:
-    return hf_config.model_type in MOE
 
 
 def is_expert(name: str) -> bool:
@@ -71,78 +68,6 @@ def is_expert(name: str) -> bool:
 
 def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
-
-
-def check_supported(hf_config: Any, tp: int, pp: int, ep: int = 1, sequence_parallel: bool = False) -> None:
-    """Clear errors for what this mapping cannot express."""
-    kind = hf_config.model_type
-    from roll_core.multimodal import FAMILIES
-
-    if kind in FAMILIES:
-        from roll_core.errors import ConfigError
-
-        raise ConfigError(
-            f"train_engine=megatron cannot train the vision-language model {kind!r}: roll maps no vision tower (nor "
-            "its picture positions) to Megatron layers; train it with train_engine=hf or train_engine=fsdp2"
-        )
-    if kind not in SUPPORTED:
-        raise ValueError(f"train_engine=megatron maps {', '.join(SUPPORTED)} models, not {kind!r}")
-    if is_moe(hf_config):
-        if hf_config.decoder_sparse_step != 1 or list(hf_config.mlp_only_layers or []):
-            raise ValueError(
-                f"train_engine=megatron maps {kind} models whose every layer is sparse (decoder_sparse_step=1, no "
-                f"mlp_only_layers), not decoder_sparse_step={hf_config.decoder_sparse_step}, "
-                f"mlp_only_layers={list(hf_config.mlp_only_layers or [])}"
-            )
-        if tp > 1 and not sequence_parallel:
-            raise ValueError(
-                "tensor_parallel_size > 1 with a MoE model: Megatron-Core trains MoE layers under tensor parallelism "
-                "only with sequence parallelism: set train_engine.sequence_parallel=true (or shard the experts with "
-                "expert_model_parallel_size and the depth with pipeline_parallel_size instead)"
-            )
-        if hf_config.num_experts % ep:
-            raise ValueError(f"expert_model_parallel_size={ep} must divide the model's {hf_config.num_experts} experts")
-    elif ep != 1:
-        raise ValueError(
-            f"train_engine.expert_model_parallel_size={ep}: this {kind} model is dense (no experts to shard); use 1"
-        )
-    R.check_rope(hf_config)  # scaled RoPE: only where Megatron rotates exactly as transformers (_rope)
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        # transformer_config builds SwiGLU (silu): any other activation would give wrong log-probs, silently
-        raise ValueError(
-            f"this {kind} model's MLP activation is hidden_act={act!r}; roll's Megatron mapping builds SiLU (SwiGLU) "
-            "only: train it with train_engine=hf or fsdp2"
-        )
-    for flag, what in (("attention_bias", "o_proj"), ("mlp_bias", "MLP")):
-        if getattr(hf_config, flag, False):
-            # only q/k/v biases are mapped: the others were dropped on load, untrained and missing from exports
-            raise ValueError(
-                f"this {kind} model has {flag}=true ({what} biases), which roll's Megatron mapping does not carry: "
-                "train it with train_engine=hf or fsdp2"
-            )
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError(
-            f"this {kind} model uses sliding-window attention (use_sliding_window=true), which the Megatron local "
-            "layer spec does not build: train it with train_engine=hf or fsdp2"
-        )
-    if hf_config.num_key_value_heads % tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} must divide the model's {hf_config.num_key_value_heads} key/value heads"
-        )
-    # Megatron splits each MLP's width over the tensor-parallel ranks (column-parallel): a width TP does not
-    # divide failed deep inside Megatron's layer build with a bare assertion.
-    widths = {"intermediate_size": getattr(hf_config, "intermediate_size", None)}
-    if is_moe(hf_config):
-        widths["moe_intermediate_size"] = getattr(hf_config, "moe_intermediate_size", None)
-        widths["shared_expert_intermediate_size"] = getattr(hf_config, "shared_expert_intermediate_size", None)
-    for name, width in widths.items():
-        if width and width % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={width}")
-    if hf_config.num_hidden_layers % pp:
-        raise ValueError(f"pipeline_parallel_size={pp} must divide the model's {hf_config.num_hidden_layers} layers")
-    if pp > 1 and hf_config.tie_word_embeddings:
-        raise ValueError("tied embeddings with pipeline parallelism are not supported: set pipeline_parallel_size=1")
 
 
 def transformer_config(

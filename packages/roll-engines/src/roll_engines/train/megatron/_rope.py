@@ -21,9 +21,10 @@ context parallelism the engine rotates each rank's slice at its own positions (_
 zig-zag split. YarnRotaryEmbedding still splits its cached table of the original context into 2 x CP chunks when
 built, so yarn needs original_max_position_embeddings to be a multiple of 2 x CP (refused otherwise, by `configure`).
 
-Refused (clear error, never a silent approximation): rope types whose frequencies depend on the sequence length
-(dynamic, longrope) or that Megatron has no form of, and a partial rotary factor. `verify` compares the built
-module's frequencies and attention factor with transformers' and refuses any difference.
+Refused with a ConfigError naming the setting (never a silent approximation): rope types whose frequencies depend on
+the sequence length (dynamic, longrope) or that Megatron has no form of, and a partial rotary factor. `verify`
+compares the built module's frequencies and attention factor with transformers' and refuses any difference (a
+RuntimeError: a mapping defect, not a setting to change).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import math
 from typing import Any
 
 import torch
+
+from roll_core.errors import ConfigError
 
 #: rope types whose static frequencies roll hands Megatron's RotaryEmbedding (attention factor 1)
 _OWN_FREQUENCIES = ("linear", "llama3")
@@ -74,30 +77,30 @@ def _yarn(hf_config: Any) -> dict[str, Any]:
 
 
 def check_rope(hf_config: Any) -> None:
-    """ValueError for rotary embeddings roll's Megatron mapping cannot compute exactly as transformers does."""
+    """ConfigError for rotary embeddings roll's Megatron mapping cannot compute exactly as transformers does."""
     kind, params, rtype = hf_config.model_type, rope_parameters(hf_config), rope_type(hf_config)
     hint = "train it with train_engine=hf or fsdp2"
     if rtype not in SUPPORTED:
         # dynamic/longrope rescale with the sequence length; others have no Megatron form here
-        raise ValueError(
+        raise ConfigError(
             f"this {kind} model scales its rotary embeddings with rope_type={rtype!r}, which roll's Megatron mapping "
             f"does not compute (it maps {', '.join(SUPPORTED)}): {hint}"
         )
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        raise ValueError(
+        raise ConfigError(
             f"this {kind} model rotates part of each head (partial_rotary_factor={partial}); roll's Megatron "
             f"mapping rotates whole heads: {hint}"
         )
     if rtype == "yarn":
         if "original_max_position_embeddings" not in params:
-            raise ValueError(f"this {kind} model's yarn rope_parameters lack original_max_position_embeddings")
+            raise ConfigError(f"this {kind} model's yarn rope_parameters lack original_max_position_embeddings")
         y = _yarn(hf_config)
         s, m, m_all = y["yarn_rotary_scaling_factor"], y["yarn_mscale"], y["yarn_mscale_all_dim"]
         derived = _yarn_mscale(s, m) / _yarn_mscale(s, m_all) if m is not None else _yarn_mscale(s)
         given = params.get("attention_factor")
         if given is not None and not math.isclose(float(given), derived, rel_tol=1e-9):
-            raise ValueError(
+            raise ConfigError(
                 f"this {kind} model's yarn rope_parameters set attention_factor={given}, not the {derived:.6g} its "
                 "factor, mscale and mscale_all_dim give: Megatron-Core's YarnRotaryEmbedding derives the attention "
                 f"factor from those and takes no other: {hint}"
@@ -114,7 +117,7 @@ def model_kwargs(hf_config: Any) -> dict[str, Any]:
 def configure(config: Any, hf_config: Any) -> Any:
     """`config` (a TransformerConfig) with the `yarn_*` attributes GPTModel's YarnRotaryEmbedding and its attention's
     attention factor read, for a yarn model; unchanged otherwise (the attention tests `hasattr`, so a model without
-    YaRN must not have them). ValueError for a yarn original context that `config`'s CP size cannot split."""
+    YaRN must not have them). ConfigError for a yarn original context that `config`'s CP size cannot split."""
     if rope_type(hf_config) == "yarn":
         yarn = _yarn(hf_config)
         cp, original = config.context_parallel_size, yarn["yarn_original_max_position_embeddings"]
@@ -122,7 +125,7 @@ def configure(config: Any, hf_config: Any) -> Any:
             # YarnRotaryEmbedding caches its table of the original context when built and, under CP, views it as
             # 2 x CP chunks (Megatron's zig-zag split): another length fails inside Megatron with a bare shape error.
             # (roll rotates by its own positions, not that cache; the check only keeps the build from crashing.)
-            raise ValueError(
+            raise ConfigError(
                 f"this {hf_config.model_type} model's yarn original_max_position_embeddings={original} is not a "
                 f"multiple of 2 x context_parallel_size={2 * cp}, which Megatron-Core's YarnRotaryEmbedding needs "
                 "to build: use a context_parallel_size whose double divides it, or train_engine=hf or fsdp2"
