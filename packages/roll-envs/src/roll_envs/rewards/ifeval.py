@@ -1,6 +1,8 @@
 """Instruction following with verifiable constraints (IFEval-style): constraint checkers and their reward.
 
-A constraint is data, a dict with a `type` and that type's arguments (an unknown type or key is an error)::
+A constraint is data, a dict with a `type` and that type's arguments (an unknown type or key is an error; a key
+that some type takes, given as null, is absent: a Parquet or Arrow list of constraint structs gives each
+constraint every field of the list, null where another type's field is)::
 
     {"type": "word_count", "max": 20}             # count | min | max (inclusive; count excludes min/max)
     {"type": "sentence_count", "min": 2, "max": 3}
@@ -26,7 +28,8 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
   no space after them), and at every line break; only pieces with at least one word count. So "Hi. How are you?"
   is 2, "3.14 is pi." is 1, every bullet line is its own sentence, and an abbreviation ("Dr. Smith") ends a
   sentence: there is no abbreviation list.
-- A *paragraph* is a piece of the text between blank lines (lines empty or whitespace only) holding a word.
+- A *paragraph* is a piece of the text between blank lines (lines empty or whitespace only, a no-break space
+  included) holding a word.
 - A *bullet* is a line whose first non-blank character is `-` or `*`, followed by a space or tab and then text that
   is not only dashes and asterisks: "- milk" and "  * eggs" (nested bullets count too) are bullets; "**bold**",
   "-5 degrees", "---" and "- - -" are not; numbered items are not.
@@ -35,11 +38,16 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
 - *json*: the response, stripped of surrounding whitespace and optionally of one enclosing ```json (```JSON,
   ```Json or ```; on its own lines or on one) fence,
   parses as a JSON object holding every listed key at its top level; nothing may precede or follow it.
-- *case*: lower means no uppercase letter and at least one lowercase one; upper the reverse (text without any
-  cased letter, e.g. digits only or Chinese, satisfies neither).
-- *starts_with* / *ends_with*: the response, stripped of surrounding whitespace, begins (ends) with the phrase,
-  case-insensitive, and the match is whole words ("Sure" is not met by "Surely"). For ends_with, trailing `.`,
-  `!` and `?` are ignored on both sides ("that is all." ends with "That is all").
+- *case*: lower means no uppercase or titlecase letter ("ǅ") and at least one lowercase one, as `str.islower`
+  (IFEval's reading); upper the reverse (text without any cased letter, e.g. digits only or Chinese, satisfies
+  neither).
+- *starts_with* / *ends_with*: the response, stripped of surrounding whitespace (and, as IFEval's end check does,
+  of the double quotes around it: `"... That is all."` ends with "That is all", so quotation and ends_with can
+  both be met), begins (ends) with the phrase, case-insensitive, and the match is whole words ("Sure" is not met
+  by "Surely"). For ends_with, trailing `.`, `!` and `?` are ignored on both sides ("that is all." ends with "That
+  is all").
+- Text is compared in Unicode's composed form (NFC): a keyword "café" typed with a combining accent is the same
+  word as the precomposed one.
 - *no_commas*: no `,` and no fullwidth `，`.
 - *quotation*: the stripped response starts and ends with a double quote (" or “ ”) and holds a word inside.
 
@@ -94,12 +102,13 @@ _WC = rf"[^\W_]{_M}*"
 _WORD = re.compile(rf"(?:{_WC})+(?:(?:['’-]|(?<=\d)[.,](?=\d))(?:{_WC})+)*")
 # A sentence end: terminal punctuation (and closing quotes/brackets) before whitespace or the end; or a line break.
 _SENTENCE_END = re.compile(r"[.!?…।॥؟]+[\"'”’)\]]*(?=\s|$)|[。！？]+[\"'”’)\]」』]*|\n")
-_BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
+_BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
 _BULLET = re.compile(r"[ \t]*[-*][ \t]+(.*)")
 # One enclosing fence, its language tag in any case, on separate lines or on one (```json {"a": 1}```), as the
 # reference IFEval's JSON check strips it.
 _FENCE = re.compile(r"```(?:json)?[ \t]*\n?(.*?)\s*```", re.S | re.I)
 _TRAILING_STOPS = ".!?"
+_QUOTES = '"“”'
 
 
 def words(text: str) -> list[str]:
@@ -130,6 +139,7 @@ def bullets(text: str) -> list[str]:
 def count_phrase(text: str, phrase: str) -> int:
     """Whole-word, case-insensitive occurrences of `phrase` in `text` (non-overlapping; any run of whitespace in
     the text matches a space of the phrase)."""
+    text, phrase = unicodedata.normalize("NFC", text), unicodedata.normalize("NFC", phrase)
     body = r"\s+".join(re.escape(part) for part in phrase.split())
     # Words as `words` reads them: "well-known" and "don't" are one word, so "known" is not in "well-known".
     before = rf"(?<![^\W_])(?<!{_M})(?<![^\W_]['’-])(?<!{_M}['’-])"
@@ -227,27 +237,39 @@ def _word_char(ch: str) -> bool:
     return ch.isalnum() or unicodedata.category(ch).startswith("M")
 
 
+def _folded(text: str) -> str:
+    return unicodedata.normalize("NFC", text).strip().casefold()
+
+
+def _bodies(response: str) -> set[str]:
+    """The stripped response, and the same without the double quotes around it (a phrase may itself end in one)."""
+    text = _folded(response)
+    return {text, text.strip(_QUOTES).strip()}
+
+
 def _starts(response: str, phrase: str) -> bool:
-    text, phrase = response.strip().casefold(), phrase.strip().casefold()
-    if not phrase or not text.startswith(phrase):
-        return False
+    phrase = _folded(phrase)
     n = len(phrase)  # whole words: the phrase may not end inside a word of the text ("Sure" vs "Surely")
-    return n == len(text) or not (_word_char(text[n - 1]) and _word_char(text[n]))
+    return bool(phrase) and any(
+        text.startswith(phrase) and (n == len(text) or not (_word_char(text[n - 1]) and _word_char(text[n])))
+        for text in _bodies(response)
+    )
 
 
 def _ends(response: str, phrase: str) -> bool:
-    text = response.strip().rstrip(_TRAILING_STOPS).rstrip().casefold()
-    phrase = phrase.strip().rstrip(_TRAILING_STOPS).rstrip().casefold()
-    if not phrase or not text.endswith(phrase):
-        return False
-    start = len(text) - len(phrase)
-    return start == 0 or not (_word_char(text[start - 1]) and _word_char(text[start]))
+    phrase = _folded(phrase).rstrip(_TRAILING_STOPS).rstrip()
+    for text in _bodies(response):
+        text = text.rstrip(_TRAILING_STOPS).rstrip()
+        start = len(text) - len(phrase)
+        if phrase and text.endswith(phrase):
+            if start == 0 or not (_word_char(text[start - 1]) and _word_char(text[start])):
+                return True
+    return False
 
 
 def _case(response: str, mode: str) -> bool:
-    upper = any(ch.isupper() for ch in response)
-    lower = any(ch.islower() for ch in response)
-    return (lower and not upper) if mode == "lower" else (upper and not lower)
+    # str's own tests: a titlecase letter ("ǅ") is neither lower nor upper, and breaks both.
+    return response.islower() if mode == "lower" else response.isupper()
 
 
 def _quoted(response: str) -> bool:
@@ -336,12 +358,31 @@ KINDS: dict[str, Kind] = {
         lambda c: "Wrap your whole answer in double quotation marks.",
     ),
 }  # fmt: skip
+#: Every argument some type takes: one of them given as null is absent (module docstring).
+_ARGUMENTS = frozenset().union(*(k.required | k.optional for k in KINDS.values()))
+#: Why a row in IFEval's format is refused (its ids are not mapped: their counting differs from these types').
+IFEVAL_HINT = (
+    "IFEval's rows (`instruction_id_list` and `kwargs`, ids like 'length_constraints:number_words') are not read: "
+    "the constraints are roll's own types (roll_envs.rewards.ifeval), whose counting differs from IFEval's, so "
+    "write each row's `constraints` in them"
+)
+
+
+def _ifeval_shaped(value: Any) -> bool:
+    """Whether `value` looks like IFEval's instruction ids or an {instruction_id(_list), kwargs} object."""
+    items = value if isinstance(value, list) else [value]
+    return any(
+        (isinstance(v, str) and re.fullmatch(r"[a-z_-]+:[a-z_]+", v))
+        or (isinstance(v, Mapping) and ({"instruction_id", "instruction_id_list"} & set(v)))
+        for v in items
+    )
 
 
 def validate_constraint(c: Any) -> dict[str, Any]:
     """`c` as a checked constraint dict; ValueError naming what is wrong (unknown type or key, bad argument)."""
     if not isinstance(c, Mapping):
         raise ValueError(f"a constraint must be an object with a 'type', got {type(c).__name__} {str(c)[:60]!r}")
+    c = {k: v for k, v in c.items() if not (v is None and k in _ARGUMENTS)}
     kind_name = c.get("type")
     kind = KINDS.get(kind_name) if isinstance(kind_name, str) else None
     if kind is None:
@@ -367,6 +408,8 @@ def parse_constraints(value: Any) -> list[dict[str, Any]]:
             value = json.loads(value)
         except (ValueError, RecursionError):
             raise ValueError(f"constraints are not JSON: {value[:60]!r}") from None
+    if _ifeval_shaped(value):
+        raise ValueError(f"{IFEVAL_HINT}; got {str(value)[:80]!r}")
     if not isinstance(value, list) or not value:
         raise ValueError(f"constraints must be a non-empty list, got {str(value)[:60]!r}")
     return [validate_constraint(c) for c in value]

@@ -39,7 +39,7 @@ from omegaconf import MISSING
 from roll_core.errors import ConfigError
 from roll_core.seeds import Purpose, derive_seed
 from roll_envs.rewards.base import Reward
-from roll_envs.rewards.ifeval import KINDS, bounds, check, describe, parse_constraints, words
+from roll_envs.rewards.ifeval import IFEVAL_HINT, KINDS, bounds, check, describe, parse_constraints, words
 from roll_envs.tasks.base import Problem, Task, eval_file_name, stable_fraction
 
 #: Short open requests a small model can answer in a few words or sentences.
@@ -329,8 +329,10 @@ class InstructTask(Task):
                 skipped.append((lineno, why))
                 continue
             if constraints_key not in row:
+                ifeval = f": {IFEVAL_HINT}" if "instruction_id_list" in row else ""
                 raise ConfigError(
-                    f"{path} line {lineno}: no {constraints_key!r} column (the row's constraints; env.constraints_key)"
+                    f"{path} line {lineno}: no {constraints_key!r} column (the row's constraints; "
+                    f"env.constraints_key){ifeval}"
                 )
             try:
                 constraints = parse_constraints(row[constraints_key])
