@@ -1,6 +1,7 @@
 """How trackers see a sweep's jobs (roll_core._sweep_tracking through roll_core.sweep.run_sweep_job): one group per
-sweep folder whatever the spelling of `hydra.sweep.dir`, one run name per job. Each job is run_sweep_job with a fake
-`run` that reads the config it is handed (HydraConfig faked as Hydra sets it in a multirun job)."""
+sweep folder whatever the spelling of `hydra.sweep.dir`, one run name per job (a name given too). Each job is
+run_sweep_job with a fake `run` that reads the config it is handed (HydraConfig faked as Hydra sets it in a multirun
+job)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _tracking_of_job(cwd: Path, sweep_dir: str, num: int, **tracking: Any) -> di
     seen: dict[str, Any] = {}
 
     def run(cfg: Any) -> dict[str, Any]:
-        seen.update(OmegaConf.to_container(cfg.tracking))
+        seen.update(OmegaConf.to_container(cfg.tracking, resolve=True))
         return {"final_eval_accuracy": 0.5}
 
     base = {"group": None, "run_name": None, **tracking}
@@ -66,9 +67,15 @@ def test_a_sweep_is_one_group_however_its_folder_is_spelled(tmp_path: Path) -> N
         assert _tracking_of_job(cwd, spelled, n) == {"group": "t-2024-05-01_12-00-00", "run_name": f"t-{n}"}, spelled
 
 
-def test_a_group_or_name_given_is_kept(tmp_path: Path) -> None:
-    """`tracking.group` / `tracking.run_name` given on the command line are the job's, as they are."""
+def test_a_group_given_is_kept_and_a_name_given_is_each_jobs_own(tmp_path: Path) -> None:
+    """`tracking.group` given on the command line is the jobs', as it is. A plain `tracking.run_name=mine` named
+    every job `mine`, with no warning: the sweep's runs were told apart by nothing but their start time. Each job's
+    is `mine-<job number>` now, as the default `<experiment>-<job number>`; a name with an interpolation is the user's
+    naming per job, kept as the job resolves it."""
     (tmp_path / "sw").mkdir()
     sweep.SweepSummaryCallback().on_multirun_start(multirun_config(tmp_path / "sw"))
     assert _tracking_of_job(tmp_path, "sw", 1, group="lr-scan") == {"group": "lr-scan", "run_name": "t-1"}
-    assert _tracking_of_job(tmp_path, "sw", 2, run_name="mine") == {"group": "t-sw", "run_name": "mine"}
+    named = [_tracking_of_job(tmp_path, "sw", n, run_name="mine") for n in (2, 3)]
+    assert named == [{"group": "t-sw", "run_name": "mine-2"}, {"group": "t-sw", "run_name": "mine-3"}]
+    interpolated = _tracking_of_job(tmp_path, "sw", 4, run_name="${experiment}-c${cluster.max_concurrent}")
+    assert interpolated == {"group": "t-sw", "run_name": "t-c0"}

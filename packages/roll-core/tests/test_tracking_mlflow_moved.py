@@ -83,3 +83,39 @@ def test_a_moved_run_folder_resumes_its_own_mlflow_run(tmp_path: Path) -> None:
         recorded: ("deleted", {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}),
         replaced: ("active", {1: 1.0, 2: 2.0, 3: 30.0}),
     }
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_moved_run_folders_artifacts_follow_it(tmp_path: Path) -> None:
+    """The store's experiment kept its artifact location, an absolute path: after the folder moved, the resumed run's
+    config.yaml and sample tables were written under the OLD path (the folder was made again there, `a/` beside the
+    moved `b/`), and MLflow read the run's earlier artifacts from there. Now they are the moved folder's: written
+    there, and every artifact of the run (the ones moved with it too) read back from there."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    first = tmp_path / "a" / "run"
+    tracker = Tracker(first, CONFIG, ["mlflow"])
+    tracker.log(1, {"loss": 1.0})
+    tracker.samples(1, [{"prompt": "p1"}])
+    tracker.close(failed=False)
+    recorded = run_id_of(first)
+
+    second = _move(first, tmp_path / "b" / "run")
+    (tmp_path / "a").rmdir()
+    tracker = Tracker(second, CONFIG, ["mlflow"], resume=True)
+    tracker.truncate(1)
+    tracker.log(2, {"loss": 2.0})
+    tracker.samples(2, [{"prompt": "p2"}])
+    tracker.close(failed=False)
+    assert run_id_of(second) == recorded  # continued
+    assert not (tmp_path / "a").exists()  # nothing written where the folder was
+    client = MlflowClient(tracking_uri=f"sqlite:///{second / 'mlflow' / 'mlflow.db'}")
+    assert client.get_run(recorded).info.artifact_uri == (second / "mlflow" / "artifacts").as_uri() + (
+        f"/{recorded}/artifacts"
+    )
+    tables = sorted(a.path for a in client.list_artifacts(recorded, "samples"))
+    assert tables == ["samples/step_000001.json", "samples/step_000002.json"]
+    for step in (1, 2):
+        table = json.loads(Path(client.download_artifacts(recorded, tables[step - 1], str(tmp_path))).read_text())
+        assert table["data"] == [[step, f"p{step}"]], table

@@ -3,7 +3,9 @@
 Options: `tracking.mlflow` (roll_core.config.tracking.MlflowConfig).
 - Where: `tracking.mlflow.tracking_uri`, else MLFLOW_TRACKING_URI, else a SQLite store in the run folder
   (`sqlite:///<run>/mlflow/mlflow.db`, artifacts in `<run>/mlflow/artifacts`; view it with
-  `mlflow ui --backend-store-uri sqlite:///<run>/mlflow/mlflow.db`).
+  `mlflow ui --backend-store-uri sqlite:///<run>/mlflow/mlflow.db`). That store goes with the folder: moved, its
+  runs resume (roll_core.trackers.mlflow_resume) and their artifacts are the moved folder's
+  (roll_core.trackers.mlflow_local).
 - Experiment: `tracking.mlflow.experiment`, else `tracking.group` (a sweep's jobs share one), else `experiment`.
   The run's name is the run name (`tracking.run_name`, else `experiment`).
 - Params: the resolved config flattened to dotted keys (`algo.lr`; lists as JSON text). MLflow caps a param value
@@ -25,7 +27,8 @@ Resume (roll_core.trackers.mlflow_resume). `<run>/mlflow/run.json` records the M
 holds; `truncate(last_step)` continues that run when it holds nothing after `last_step`, else starts a new one
 (tag `roll.resumed_from`) that replays steps 0..last_step from the run folder's files, the old one tagged
 `roll.superseded_by` and moved to MLflow's deleted runs. Either way the MLflow run that run.json names shows exactly
-the history of metrics.jsonl.
+the history of metrics.jsonl. A run that starts over in its folder (killed before its first checkpoint, run again)
+retires the earlier attempt's run the same way unless it finished.
 
 Network failures. The tracking server is needed when a new run starts (a wrong URI fails there, with its message).
 After that, every call to the server runs off the training thread, in order (roll_core.trackers.background):
@@ -43,6 +46,12 @@ counted in DROPPED_METRIC and warned about once per outage and again, with the t
 run ends (they stay in the run folder's metrics.jsonl and samples.jsonl; MLflow lacks them). `close()` tries once
 more; what still cannot be sent is written to `<run>/mlflow/unsent.json` (an error names it) and sent when the run
 resumes in the same folder. A refusal that is not a network problem (an invalid value) raises: resending would not help.
+A store on this machine's disk that cannot be written (the run folder's SQLite store or artifacts, a `file:` or
+`sqlite:` URI: a read-only folder, a full disk; roll_core.trackers.mlflow_http.local_failure) is neither: it is said
+once, as an error naming the error, what is buffered is dropped, and this
+attempt sends MLflow nothing more; training goes on, metrics.jsonl keeps every step, and a resume of the run (once the
+store can be written) sends the steps MLflow lacks. (It was taken for an outage: resent for the whole run, with
+"not answering" warnings.)
 MLflow's own HTTP retries are bounded by `tracking.mlflow.timeout_s` and `tracking.mlflow.retries` (unless the
 MLFLOW_HTTP_REQUEST_* environment variables say otherwise; roll_core.trackers.mlflow_http); while the server is away,
 a resend is one request: an outage is noticed within about `(retries + 1) * timeout_s`.
@@ -77,7 +86,7 @@ from roll_core.trackers.mlflow_buffer import (
 )
 from roll_core.trackers.mlflow_close import MlflowClose
 from roll_core.trackers.mlflow_end import MAX_RETRY_INTERVAL_S
-from roll_core.trackers.mlflow_http import CloseDeadline, Unreachable, bounded_http, is_network_error
+from roll_core.trackers.mlflow_http import CloseDeadline, Unreachable, bounded_http, is_network_error, local_failure
 from roll_core.trackers.mlflow_keys import (
     MAX_KEY,
     MAX_PARAM_VALUE,
@@ -86,6 +95,7 @@ from roll_core.trackers.mlflow_keys import (
     flatten_config,
     mlflow_key,
 )
+from roll_core.trackers.mlflow_local import follow_folder
 from roll_core.trackers.mlflow_resume import STATE_FILE, UNSENT_FILE, MlflowResume
 from roll_core.tracking import redact_config, redact_exception, redact_text
 
@@ -132,6 +142,8 @@ class MlflowTracker(MlflowResume, MlflowClose):
         self.shown_uri = redact_text(self.uri)  # what run.json and messages hold: no `user:token@`
         # The run folder's own store: the same store wherever the folder is (moved, or under another mount point)
         self.local_store = self.uri == self._local_uri()
+        if self.local_store:  # its artifacts follow the folder (MLflow's locations are absolute paths)
+            follow_folder(self.dir / "mlflow.db", self.dir / "artifacts")
         self.experiment = (
             self.options.experiment or tracking_config(config).group or str(config.get("experiment") or name)
         )
@@ -154,6 +166,7 @@ class MlflowTracker(MlflowResume, MlflowClose):
         self.dropped = 0  # metric points dropped from the full buffer (DROPPED_METRIC)
         self.outage_dropped = Dropped()  # what this outage dropped (its warnings)
         self._reported = [0, 0]  # the failures and dropped counts last buffered as metrics
+        self.store_failure: str | None = None  # a local store that cannot be written: nothing more is sent (`_broken`)
         # A resumed run whose MLflow run is not open yet: the recorded run is valid up to this step (`_open`).
         self.resume_step: int | None = None
         self.seen_step = -1  # the last step given to this backend while its run is not open
@@ -169,8 +182,8 @@ class MlflowTracker(MlflowResume, MlflowClose):
         # the run's log. A filter for good (set here, on the caller's thread): `catch_warnings` around each call, on
         # the worker thread, would race the training thread's own filters.
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"mlflow\.store\.")
-        if not resume:
-            self._start()
+        if not resume:  # (an earlier attempt's unfinished run, named by run.json, is retired: `_start_over`)
+            self._start_over()
         # On resume, the first truncate (or log) decides: continue the recorded run or start a new one.
         # Only the worker touches the state above from here on (the module docstring: network failures).
         self._worker: SerialWorker | None = SerialWorker(f"roll-mlflow-{name}")
@@ -300,6 +313,9 @@ class MlflowTracker(MlflowResume, MlflowClose):
         try:
             self._send()
         except Exception as exc:
+            if local_failure(exc) is not None:
+                self._broken(exc)
+                return False
             if not is_network_error(exc):
                 raise
             self._outage(exc, f"{len(self.pending_metrics)} metric points buffered, resent")
@@ -333,6 +349,21 @@ class MlflowTracker(MlflowResume, MlflowClose):
                 waiting,
                 wait,
             )
+
+    def _broken(self, exc: BaseException) -> None:
+        """(A local store that cannot be written, `local_failure`: resending would not help.) Say it once, as an
+        error, drop what is buffered and send nothing more in this attempt; training goes on.
+        run.json names only the steps the store took, so a resume of the run sends the others from metrics.jsonl."""
+        cause = local_failure(exc) or exc
+        self.store_failure = redact_text(f"{type(cause).__name__}: {cause}")
+        self.dropped += len(self.pending_metrics)
+        self.pending_params, self.pending_tags, self.pending_metrics, self.pending_artifacts = {}, {}, [], {}
+        log.error(
+            "MLflow: the store at %s cannot be written (%s): not a network failure, so not retried; MLflow gets "
+            "nothing more from this attempt (it lacks the steps after %d), training goes on; %s keeps every step, "
+            "and a resume of this run sends the missing ones once the store can be written",
+            *(self.shown_uri, self.store_failure, self.held_step, self.run_dir / "metrics.jsonl"),
+        )
 
     def _bound_buffer(self) -> None:
         """Past `max_buffered_points` points or MAX_BUFFERED_TABLES tables, drop the oldest (mlflow_buffer):
@@ -423,7 +454,7 @@ class MlflowTracker(MlflowResume, MlflowClose):
     # ---- what the worker runs --------------------------------------------------------------------------------
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         """Buffer the metrics at `step` and send the buffer (a network failure keeps it for later)."""
-        if not self._ensure_run(step):
+        if self.store_failure is not None or not self._ensure_run(step):
             return  # metrics.jsonl holds the step: sent when the MLflow run opens
         self._add_metrics(step, metrics)
         self._counts(step)
@@ -433,7 +464,7 @@ class MlflowTracker(MlflowResume, MlflowClose):
 
     def _samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Log the rows as the table artifact `samples/step_<step>.json`."""
-        if not self._ensure_run(step):
+        if self.store_failure is not None or not self._ensure_run(step):
             return  # samples.jsonl holds the rows: sent when the MLflow run opens
         self._add_samples(step, rows)
         self._save_state()

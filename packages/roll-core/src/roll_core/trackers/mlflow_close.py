@@ -42,8 +42,8 @@ CLOSE_RESERVE_S = 1.0
 class MlflowClose:
     """The closing methods of `MlflowTracker` (the module docstring). They use the tracker's state (`options`,
     `name`, `dir`, `run_dir`, `shown_uri`, `client`, `run_id`, `resume_step`, `seen_step`, `last_step`, `failures`,
-    `dropped`, `_reported`, the `pending_*` buffer, `_worker`, `_backlog`, `_end`, `_requests_by`, `_abandoned`,
-    `end_delivery`) and its calls (`_timestamp`, `_open`, `_flush`, `_counts`, `_http`, `_save_unsent`,
+    `dropped`, `_reported`, `store_failure`, the `pending_*` buffer, `_worker`, `_backlog`, `_end`, `_requests_by`,
+    `_abandoned`, `end_delivery`) and its calls (`_timestamp`, `_open`, `_flush`, `_counts`, `_http`, `_save_unsent`,
     `_dropped_summary`)."""
 
     def close(self, failed: bool | None = None) -> None:
@@ -133,7 +133,8 @@ class MlflowClose:
         A resumed run whose MLflow run never opened tries once more to open it and send its steps."""
         if self._abandoned:  # `close()` gave up waiting and said what is not sent
             return
-        if self.run_id is None and self.resume_step is not None and not self._open(self.seen_step):
+        broken = self.store_failure is not None  # a local store that cannot be written: said, nothing is buffered
+        if not broken and self.run_id is None and self.resume_step is not None and not self._open(self.seen_step):
             self.resume_step = None
             log.error(
                 "MLflow at %s did not answer: this attempt's steps (up to %d) are not in MLflow; a resume of this run "
@@ -143,8 +144,8 @@ class MlflowClose:
             )
         if self.run_id is None:
             return
-        sent = self._flush(final=True)
-        if [self.failures, self.dropped] != self._reported:
+        sent = broken or self._flush(final=True)
+        if not broken and [self.failures, self.dropped] != self._reported:
             self._counts(self.last_step)  # the counts go with the last data
             sent = sent and self._flush(final=True)
         if self._abandoned:  # `close()` gave up meanwhile, and said what is not sent

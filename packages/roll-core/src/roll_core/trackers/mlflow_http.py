@@ -16,21 +16,37 @@ each failure sorted into "the server is away" (worth sending again) or "the requ
   the whole seconds left before `requests_by` (MLflow's timeout is whole seconds), and a call that would have less
   than 1 s is not made: `CloseDeadline` is raised instead. So the calls `close()` makes end by `requests_by`.
 - `is_network_error(exc)`: whether a failed call may succeed when sent again (unreachable, timed out, a 5xx, a call
-  not made: `CloseDeadline`), as opposed to one MLflow refuses (an error code of PERMANENT_ERRORS).
+  not made: `CloseDeadline`), as opposed to one MLflow refuses (an error code of PERMANENT_ERRORS) or one of the
+  local file system (`local_failure`).
+- `local_failure(exc)`: the error of a store on this machine's disk in `exc`'s chain (a SQLite store or local
+  artifacts that cannot be written: a read-only folder, a full disk, a file where a folder should be), not of a
+  connection. Resending does not help either (it was taken for an outage: buffered and resent for the whole run, with
+  "the server is not answering" for an error that names no server).
 - `Unreachable`: the server did not answer when the MLflow run was to be started or reopened.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 
-__all__ = ["HTTP_SETTINGS", "PERMANENT_ERRORS", "CloseDeadline", "Unreachable", "bounded_http", "is_network_error"]
+__all__ = [
+    "HTTP_SETTINGS",
+    "PERMANENT_ERRORS",
+    "CloseDeadline",
+    "Unreachable",
+    "bounded_http",
+    "is_network_error",
+    "local_failure",
+]
 
 # MLflow error codes that mean "this request is wrong", not "the server is away": resending would not help.
 PERMANENT_ERRORS = frozenset(
@@ -44,11 +60,49 @@ _installed = False
 _thread = threading.local()  # `settings`: {variable: value} of the `bounded_http` the thread is in, if any
 
 
+# An OSError of a connection (the others are the local file system's): a plain OSError carries these (ENETUNREACH
+# is no ConnectionError subclass); requests' errors are OSErrors too (`_connection_error`).
+_NETWORK_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in "ECONNREFUSED ECONNRESET ECONNABORTED ETIMEDOUT EHOSTUNREACH ENETUNREACH ENETDOWN EHOSTDOWN".split()
+    if hasattr(errno, name)
+)
+# SQLite's primary result codes of a database file that cannot be used (SQLITE_PERM, _READONLY, _IOERR, _CORRUPT,
+# _FULL, _CANTOPEN, _NOTADB), which MLflow's SQL store raises as TEMPORARILY_UNAVAILABLE; not SQLITE_BUSY/_LOCKED
+# (another writer: worth trying again).
+_SQLITE_LOCAL = frozenset({3, 8, 10, 11, 13, 14, 26})
+
+
+def _connection_error(exc: OSError) -> bool:
+    if isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror, socket.herror, ssl.SSLError)):
+        return True
+    if any(cls.__module__.split(".")[0] in ("requests", "urllib3") for cls in type(exc).__mro__):
+        return True  # (not imported here: requests comes with MLflow)
+    return exc.errno in _NETWORK_ERRNOS
+
+
+def local_failure(exc: BaseException) -> BaseException | None:
+    """The error of the local file system in `exc` or what it was raised from (each one's `__cause__`, else its
+    `__context__`): the first OSError in that chain when it is not a connection's, or a SQLite error of a file that
+    cannot be used (`_SQLITE_LOCAL`); None for anything else (a network failure, a refusal)."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError):
+            return None if _connection_error(link) else link
+        code = getattr(link, "sqlite_errorcode", None)
+        if isinstance(code, int) and code & 0xFF in _SQLITE_LOCAL:
+            return link
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
+    return None
+
+
 def is_network_error(exc: BaseException) -> bool:
     """Whether a failed MLflow call may succeed when sent again (the server was unreachable, timed out or failed
-    with a 5xx), as opposed to a request MLflow refuses."""
+    with a 5xx), as opposed to a request MLflow refuses or a local store that cannot be written (`local_failure`)."""
     code = getattr(exc, "error_code", None)
-    return code not in PERMANENT_ERRORS
+    return code not in PERMANENT_ERRORS and local_failure(exc) is None
 
 
 class Unreachable(RuntimeError):

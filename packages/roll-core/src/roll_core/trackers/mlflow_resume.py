@@ -22,6 +22,11 @@ A resumed run whose server does not answer goes on without it: a warning says so
 the MLflow run is opened (continued or replaced, as above) at a later log once the server answers (`_ensure_run`),
 then sent the steps it lacks from metrics.jsonl.
 
+A run that starts at step 0 in a folder whose run.json names a run of this store (an attempt killed before its first
+checkpoint, run again: nothing to resume from) retires that run the same way unless it finished (`_start_over`; the
+status end.json records counts): it stayed active beside the new one, under the same name in the same experiment,
+with the abandoned steps (RUNNING for good after a kill). A FINISHED one is a complete earlier run of the folder: kept.
+
 A run whose end the server was not told (`<run>/mlflow/end.json`, roll_core.trackers.mlflow_end) is reopened by the
 resume: continued (its own `close()` ends it) or superseded (KILLED); either way the record is moot and removed, and
 this process's delivery of it stops.
@@ -35,8 +40,8 @@ import time
 from typing import Any
 
 from roll_core.trackers.mlflow_buffer import LOGGED_ARTIFACTS_TAG
-from roll_core.trackers.mlflow_end import reopened
-from roll_core.trackers.mlflow_http import Unreachable, is_network_error
+from roll_core.trackers.mlflow_end import read_end, reopened
+from roll_core.trackers.mlflow_http import Unreachable, is_network_error, local_failure
 from roll_core.trackers.mlflow_keys import flatten_config
 from roll_core.trackers.replay import kept_metrics, kept_samples
 from roll_core.tracking import redact_config, redact_exception, redact_text
@@ -56,8 +61,40 @@ LOCAL_DB = "/mlflow/mlflow.db"
 class MlflowResume:
     """The resume methods of `MlflowTracker` (the module docstring). They use the tracker's state (`run_id`,
     `last_step`, `held_step`, `resume_step`, `seen_step`, `retry_at`, the `pending_*` buffer, `tables`, `keys`) and
-    its calls (`_start`, `_http`, `_flush`, `_outage`, `_save_state`, `_config_text`, `_add_metrics`,
+    its calls (`_start`, `_http`, `_flush`, `_outage`, `_broken`, `_save_state`, `_config_text`, `_add_metrics`,
     `_add_samples`)."""
+
+    def _start_over(self) -> None:
+        """Start the MLflow run of a run that starts at step 0 (not resumed), and retire the earlier attempt's run
+        that run.json names in this store unless it finished (the module docstring)."""
+        path = self.dir / STATE_FILE
+        try:
+            state = json.loads(path.read_text()) if path.exists() else None
+        except ValueError:  # cut by a crash mid-write (run.json is replaced whole since): nothing to retire
+            state = None
+        same_store = isinstance(state, dict) and recorded_store_is_this(
+            state, self.uri, self.shown_uri, self.local_store
+        )
+        earlier = str(state["run_id"]) if same_store and state.get("run_id") else None
+        self._start()
+        if earlier is None or earlier == self.run_id:
+            return
+        try:
+            with self._http():
+                run = self.client.get_run(earlier)
+        except Exception as exc:  # gone (deleted for good, a new database): nothing to retire
+            log.info("MLflow: the earlier attempt's run %s is not retired (%s)", earlier, redact_text(str(exc)))
+            return
+        told = read_end(self.dir)  # an end the server was not told: the run may have finished all the same
+        status = told["status"] if told is not None and told.get("run_id") == earlier else run.info.status
+        if run.info.lifecycle_stage == "deleted" or status == "FINISHED":
+            return
+        if self._supersede(earlier, str(self.run_id)):
+            reopened(self.dir, earlier)  # KILLED now: an end recorded for it is moot
+            log.info(
+                "MLflow: run %s of an earlier attempt in %s (%s, not resumed: no checkpoint) is superseded by %s",
+                *(earlier, self.run_dir, status, self.run_id),
+            )
 
     def _truncate(self, last_step: int) -> None:
         """Continue the recorded run when it holds nothing after `last_step`, else start a new one replaying steps
@@ -100,6 +137,11 @@ class MlflowResume:
             self._start(resumed_from=str(state["run_id"]) if same_store else None)
         except Unreachable as exc:
             self._outage(exc, "this resumed run's MLflow run is opened, and sent its steps from metrics.jsonl,")
+            return False
+        except RuntimeError as exc:  # `_start` in a local store that cannot be written: said once, training goes on
+            if local_failure(exc) is None:
+                raise
+            self._broken(exc)
             return False
         self.resume_step = None
         if same_store and self._supersede(str(state["run_id"]), str(self.run_id)):
