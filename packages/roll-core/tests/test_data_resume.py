@@ -150,7 +150,7 @@ def test_a_batch_straddling_two_epochs_holds_no_prompt_twice() -> None:
     for _ in range(3):
         cut._draw(4)
     state = json.loads(json.dumps(cut.state_dict()))
-    assert state["sampler"] == {"epoch": 1, "position": 2, "size": 10, "seed": 3, "head": [7, 8, 0, 2]}
+    assert state["sampler"] == {"epoch": 1, "position": 2, "size": 10, "seed": 3, "window": 4, "head": [7, 8, 0, 2]}
     resumed = _collector(10, 4, 3)
     resumed.load_state_dict(state)
     assert [resumed._draw(4) for _ in range(22)] == batches[3:] + [c._draw(4) for _ in range(20)]
@@ -216,3 +216,29 @@ def test_an_older_checkpoint_continues_its_epoch_in_the_order_it_was_saved_with(
     s = PromptSampler(10, seed=3, window=4)
     with pytest.raises(ConfigError, match="no reordering of that epoch's shuffle"):
         s.load_state_dict({**old, "head": [7, 7, 0, 2]})
+
+
+def test_a_resume_with_another_batch_size_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """pipeline.rollout_batch_size 4 -> 8 on resume: the window of distinct prompts changed (the stream is then
+    neither run's) and nothing said so; the multi-domain sampler logs it (test_domain_sampler.py). The position
+    itself resumes exactly; the same size, a size the training set caps to the same window and a checkpoint
+    saved without `window` (an older roll) load quietly."""
+    saved = PromptSampler(10, seed=3, window=4)
+    saved.next(6)
+    state = json.loads(json.dumps(saved.state_dict()))
+    assert state["window"] == 4
+    wider = PromptSampler(10, seed=3, window=8)
+    with caplog.at_level("INFO", logger="roll_core.data"):
+        wider.load_state_dict(state)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "roll_core.data"]
+    assert "pipeline.rollout_batch_size=8 (the checkpoint's was 4)" in line and "any 8 drawn in a row" in line
+    assert wider.next(4) == saved.next(4)  # the saved epoch goes on in its order
+    caplog.clear()
+    older = {k: v for k, v in state.items() if k != "window"}
+    small = PromptSampler(3, seed=3, window=4)
+    small.next(2)
+    with caplog.at_level("INFO", logger="roll_core.data"):
+        PromptSampler(10, seed=3, window=4).load_state_dict(state)
+        PromptSampler(10, seed=3, window=8).load_state_dict(older)
+        PromptSampler(3, seed=3, window=8).load_state_dict(small.state_dict())  # 3 prompts: a window of 3 both
+    assert not [r for r in caplog.records if r.name == "roll_core.data"]

@@ -291,3 +291,59 @@ def test_an_evaluation_that_scored_no_problem_is_reported_as_zero_problems() -> 
     assert rows["evaluation"].startswith("every 4 steps on 0 held-out problems (pipeline.eval_size 64), temperature")
     assert dict(config_rows(cfg, 16.0))["evaluation"].startswith("every 4 steps on 16 held-out problems")
     assert dict(config_rows(cfg))["evaluation"].startswith("every 4 steps on 64 held-out problems")
+
+
+#: An agentic run: the step-4 evaluation had no outcome (its 4 held-out episodes' resets failed: eval/n 0, no
+#: accuracy, success rate or reward), after one at step 2 that scored 0.5 on 4 episodes.
+_NO_OUTCOME = [
+    {"step": 0, "eval/n": 4.0, "eval/accuracy": 0.25, "eval/success_rate": 0.25, "eval/reward": 0.25},
+    {"step": 1, "reward/mean": 0.5},
+    {"step": 2, "reward/mean": 0.6, "eval/n": 4.0, "eval/accuracy": 0.5, "eval/success_rate": 0.5, "eval/reward": 0.5},
+    {"step": 3, "reward/mean": 0.7},
+    {"step": 4, "reward/mean": 0.8, "eval/n": 0.0, "eval/reset_failed_episodes": 4.0, "eval/aborted_episodes": 0.0},
+]
+
+
+def _report_text(out: Path, rows: list[dict], *overrides: str) -> str:
+    out.mkdir(exist_ok=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(["experiment=quickstart", "model=tiny", *overrides])
+    path = write_run_report(out, cfg, status="finished", wall_seconds=1.0, checkpoints=[])
+    assert path is not None, "the report was not written"
+    return path.read_text()
+
+
+def test_the_config_row_counts_the_episodes_an_evaluation_without_an_outcome_ran(tmp_path: Path) -> None:
+    """The last evaluation had no outcome (eval/n 0, its 4 resets failed): the config row read "every 4 steps on 0
+    held-out problems" for a run evaluating 4. eval/n plus the episodes counted out of it is what ran."""
+    text = _report_text(tmp_path / "run", _NO_OUTCOME)
+    assert "| evaluation | every 4 steps on 4 held-out problems (pipeline.eval_size 64), temperature" in text
+    some = [*_NO_OUTCOME[:4], {**_NO_OUTCOME[4], "eval/n": 1.0, "eval/reset_failed_episodes": 2.0}]
+    some[4]["eval/context_refused_episodes"], some[4]["eval/aborted_episodes"] = 1.0, 1.0
+    assert "every 4 steps on 5 held-out problems" in _report_text(tmp_path / "some", some)
+    # an evaluation whose every prompt was skipped (pipeline=rlvr: none ran, nothing counted apart) still reads 0
+    skipped = [{"step": 0, "eval/n": 0.0, "eval/accuracy": float("nan")}]
+    assert "every 4 steps on 0 held-out problems" in _report_text(tmp_path / "skipped", skipped)
+
+
+def test_the_last_held_out_accuracy_is_the_last_evaluations_and_says_it_had_no_outcome(tmp_path: Path) -> None:
+    """report.md's "last (step)" cell showed 0.5000 (2), the last LOGGED accuracy, as the final model's, while the
+    run summary and the sweep (roll_core.eval_history) have none: the step-4 evaluation had no outcome."""
+    why = "none: last evaluation (step 4) had no outcome (eval/n 0: eval/reset_failed_episodes=4)"
+    table = _report_numbers(tmp_path / "run", "".join(json.dumps(r) + "\n" for r in _NO_OUTCOME).encode())[-4:]
+    assert table == [
+        "| train reward (`reward/mean`) | 0.5000 (1) | 0.8000 (4) | 0.8000 (4) | 4 |",
+        f"| held-out accuracy (`eval/accuracy`) | 0.2500 (0) | {why} | 0.5000 (2) | 2 |",
+        f"| held-out reward (`eval/reward`) | 0.2500 (0) | {why} | 0.5000 (2) | 2 |",
+        f"| held-out success rate (`eval/success_rate`) | 0.2500 (0) | {why} | 0.5000 (2) | 2 |",
+    ]
+    # the only evaluation had no outcome: the accuracy's row says so (no row at all said nothing)
+    only = [{"step": 0, "eval/n": 0.0, "eval/context_refused_episodes": 2.0}, {"step": 1, "reward/mean": 0.5}]
+    assert _report_numbers(tmp_path / "only", "".join(json.dumps(r) + "\n" for r in only).encode())[-1] == (
+        "| held-out accuracy (`eval/accuracy`) | - | none: last evaluation (step 0) had no outcome (eval/n 0: "
+        "eval/context_refused_episodes=2) | - | 0 |"
+    )
+    # an evaluation with an outcome after it: the last logged value is its own, as before
+    rows = [*_NO_OUTCOME, {"step": 5, "eval/n": 4.0, "eval/accuracy": 0.75, "eval/accuracy_stderr": 0.25}]
+    (acc,) = [r for r in headline(rows) if r["key"] == "eval/accuracy"]
+    assert acc["last"] == (5, 0.75) and acc["stderr"]["last"] == 0.25 and "no_outcome" not in acc

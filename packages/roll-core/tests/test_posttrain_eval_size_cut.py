@@ -65,3 +65,30 @@ def test_the_helpers() -> None:
     assert with_eval_cut(Task(9), 2) == {"skipped_rows": {"a.jsonl": 1}, "also_held_out": 0, "unused_held_out": 11}
     assert with_eval_cut(Task(None), 0) == {"skipped_rows": {"a.jsonl": 1}, "also_held_out": 0}
     assert with_eval_cut(Task(None), 4)["unused_held_out"] == 4
+
+
+@pytest.mark.parametrize(("every", "warned"), [(0, False), (2, True)])
+def test_an_sft_run_that_does_not_evaluate_does_not_warn_of_domains_its_cut_leaves_out(
+    every: int, warned: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """sft.eval_task with pipeline.eval_every=0 evaluates nothing, yet a multi-domain task's cut (eval_size 2 of
+    domains a, b, c) warned that c is not evaluated: the RLVR collector passes `evaluates`, the SFT one did not."""
+    from types import SimpleNamespace
+
+    from roll_core.pipelines.collectors.sft import SFTCollector
+    from roll_core.posttrain.config import DataConfig
+    from roll_core.posttrain.source import load_rows
+    from roll_core.testing.chat_templates import family_tokenizer
+
+    tok = family_tokenizer("tiny")
+    train = write_jsonl(tmp_path / "train.jsonl", [ROWS["sft"](i) for i in range(N)])
+    data = load_rows("sft", DataConfig(path=str(train)), tok, max_prompt_length=64, max_response_length=64, seed=0)
+    task = SimpleNamespace(eval_set=lambda: [SimpleNamespace(domain=d) for d in "abcabc"])
+    pipeline = SimpleNamespace(seed=0, rollout_batch_size=2, eval_size=2, eval_every=every)
+    cfg = SimpleNamespace(pipeline=pipeline, sft=SimpleNamespace(eval_task=True), env=SimpleNamespace(name="multi"))
+    with caplog.at_level("WARNING", logger="roll_core.pipelines.collectors._eval_cut"):
+        collector = SFTCollector(SimpleNamespace(cfg=cfg, tokenizer=tok, task=task), data)
+    assert [p.domain for p in collector.eval_problems] == ["a", "b"] and collector.eval_cut == 4
+    said = [r.getMessage() for r in caplog.records if r.name == "roll_core.pipelines.collectors._eval_cut"]
+    assert bool(said) == warned, said
+    assert all("['c'] are not evaluated" in line for line in said)

@@ -62,3 +62,25 @@ def test_the_other_statuses_are_as_the_loop_wrote_them(tmp_path: Path) -> None:
 def test_a_checkpoint_keeps_the_skips_up_to_its_step() -> None:
     assert restored_skips({"step": 3, "skipped_evals": [2, "3", 5]}) == [2, 3]
     assert restored_skips({"step": 3}) == []
+
+
+def test_the_final_accuracy_is_the_one_rule_of_roll_core_eval_history() -> None:
+    """The summary's final_eval_accuracy and what report.md and the sweeps read as the last evaluation's accuracy
+    (roll_core.eval_history.last_eval_accuracy) were two copies of one rule: the summary now calls the shared one, so
+    they cannot drift apart."""
+    import roll_core.pipelines._run_summary as run_summary_module
+    from roll_core.eval_history import last_eval_accuracy
+
+    assert run_summary_module.last_eval_accuracy is last_eval_accuracy
+    nan = float("nan")
+    histories = [
+        HISTORY,
+        [*HISTORY, {"step": 3, "eval/n": 0.0, "eval/reset_failed_episodes": 2.0}],  # no outcome: None, not 0.5
+        [{"step": 0, "eval/accuracy": nan, "eval/n": 0.0}],  # a NaN as logged
+        [{"step": 1, "reward/mean": 1.0}],  # nothing evaluated
+    ]
+    for history in histories:
+        s = run_summary(history, [], wall_seconds=1.0, output_dir="run", signum=None, late=None, collector_summary={})
+        expected = last_eval_accuracy(history)
+        assert s["final_eval_accuracy"] is expected or s["final_eval_accuracy"] == expected, history
+    assert [last_eval_accuracy(h) for h in (histories[0], histories[1], histories[3])] == [0.5, None, None]

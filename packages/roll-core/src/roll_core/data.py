@@ -14,7 +14,10 @@ refills, one at a time):
   batch is groups started over more than W draws: only W starts in a row are covered there;
 - the stream depends only on (size, seed, W); the state (epoch, position, and the changed head of the epoch's
   order when the seam moved prompts) resumes it exactly, mid-epoch or mid-draw. A checkpoint of a roll that
-  saved no head continues its epoch in the order it was saved with; later epochs follow the contract.
+  saved no head continues its epoch in the order it was saved with; later epochs follow the contract. The state
+  holds W too (`window`, as given: pipeline.rollout_batch_size): a resume with another one (capped at `size`, the
+  window in use) is an info line naming both, since the stream then is neither run's (the epoch goes on in its
+  saved order; the next ones keep the new W distinct); a state without it (saved by an older roll) loads as before.
 `DomainSampler` mixes several domains (slices of one training list) by fixed per-batch counts or random weights;
 each domain keeps its own epoch order under the same contract (W: its count per batch, or the batch size for
 weights), and its state (each domain's state, draws made, the batch size) resumes exactly too (the same domains in
@@ -52,6 +55,7 @@ class PromptSampler:
             raise ValueError(f"window must be at least 1, got {window}")
         self.size, self.seed, self.shuffle = size, seed, shuffle
         self.window = min(window, size)  # a list smaller than a batch: any `size` in a row distinct
+        self._given_window = window  # (the state's: a resume names the batch size the user set, not the cap)
         self.epoch, self.position = 0, 0
         self._perm = self._permutation(0)
         self._head: list[int] = []  # the start of this epoch's order where it differs from _permutation's
@@ -106,6 +110,7 @@ class PromptSampler:
         """Position and identity of the stream; `head` (only when the boundary moved prompts) the start of this
         epoch's order, which depends on the previous epoch's end and so is not rebuilt from (seed, epoch)."""
         state: dict[str, Any] = {"epoch": self.epoch, "position": self.position, "size": self.size, "seed": self.seed}
+        state["window"] = self._given_window
         if self._head:
             state["head"] = list(self._head)
         return state
@@ -132,6 +137,16 @@ class PromptSampler:
             )
         self.epoch, self.position = state["epoch"], state["position"]
         self._head, self._perm = head, head + base[len(head) :]
+        saved = state.get("window")  # absent from checkpoints of before: not known
+        if saved is not None and min(int(saved), self.size) != self.window:  # (the stream changed silently)
+            log.info(
+                "the training order resumes with pipeline.rollout_batch_size=%d (the checkpoint's was %d): this "
+                "epoch goes on in its saved order; from the next one on, any %d drawn in a row are distinct (not "
+                "the order the checkpoint's run would have drawn)",
+                self._given_window,
+                int(saved),
+                self.window,
+            )
 
 
 class DomainSampler:
@@ -240,7 +255,8 @@ class DomainSampler:
                 )
         self._check_batch_size(state.get("batch_size"))  # (absent from checkpoints of before: not known)
         for d, s in state["domains"].items():
-            self.samplers[d].load_state_dict(s)
+            # each domain's window is its count or the batch size: the mix's own check says a change once
+            self.samplers[d].load_state_dict({k: v for k, v in s.items() if k != "window"})
         self.draws = state["draws"]
 
     def _check_batch_size(self, saved: int | None) -> None:

@@ -9,10 +9,15 @@ Contract (pure functions of the history, except `no_outcome_in`, which reads a r
   `final_eval_accuracy`, roll_core.pipelines._run_summary). The last LOGGED accuracy is not the last evaluation's.
 - `no_outcome` says why the last evaluation has no accuracy when it had no outcome (`last evaluation (step 4) had
   no outcome (eval/n 0: eval/reset_failed_episodes=4)`), None when it has one or there is no evaluation.
+- `last_evaluation_size` is the held-out problems (episodes) the last evaluation logging `eval/n` ran: its `eval/n`
+  plus the episodes it counted out of `eval/n` for want of an outcome (`_NOT_ATTEMPTED`), so an evaluation none of
+  whose 4 episodes had an outcome ran 4, not `eval/n`'s 0 (report.md read "on 0 held-out problems"); None when no
+  record logged `eval/n`.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,20 @@ def last_eval_accuracy(history: list[dict[str, Any]]) -> Any:
     """The last evaluation's own accuracy: None when it logged none (nothing attempted) or nothing was evaluated."""
     last = last_evaluation(history)
     return last.get("eval/accuracy") if last is not None else None
+
+
+def last_evaluation_size(history: list[dict[str, Any]]) -> int | None:
+    """The held-out problems the last evaluation that logged `eval/n` ran (see the module docstring); None when none
+    logged one."""
+    last = next((h for h in reversed(history) if _count(h.get("eval/n"))), None)
+    if last is None:
+        return None
+    return int(last["eval/n"]) + sum(int(last[k]) for k in _NOT_ATTEMPTED if _count(last.get(k)))
+
+
+def _count(v: Any) -> bool:
+    """A logged count: a finite number, not a bool (a NaN or a string is no count)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def no_outcome(history: list[dict[str, Any]]) -> str | None:

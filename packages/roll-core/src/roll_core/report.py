@@ -6,7 +6,10 @@ hyper-parameters, engines, placement, batch and step counts, evaluation settings
 the run drew it; the first, last and best value of the headline metrics read back from the run's `metrics.jsonl`
 (training reward and accuracy, held-out accuracy per evaluation, losses of SFT / DPO / distillation), each as
 `mean ± standard error` where its record logged one (`<key>_stderr`: the episode collectors' held-out
-eval/success_rate and eval/accuracy, over the held-out episodes), wall time;
+eval/success_rate and eval/accuracy, over the held-out episodes), wall time. The held-out accuracy's last value (and
+the success rate's and reward's that come with it) is the last evaluation's own (roll_core.eval_history): one that had
+no outcome (`eval/n` 0) shows `none` and why, not the earlier evaluation's value as the final model's; the config's
+evaluation row counts the held-out problems that evaluation ran (`last_evaluation_size`), not its `eval/n` of 0;
 the checkpoints on disk; and the exact commands to resume the run and to evaluate its checkpoints. The commands
 repeat the launch's overrides when they are known (Hydra's `.hydra/overrides.yaml` in the run folder, or the
 running Hydra job's); otherwise they say so. Writing a report never raises into the run: a failure is one warning.
@@ -31,6 +34,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from roll_core.eval_history import last_evaluation, last_evaluation_size, no_outcome
 from roll_core.tracking import replace_file
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,10 @@ HEADLINE = (
     ("eval/distill_kl", "held-out distillation KL", False),
     ("distill/reverse_kl", "on-policy distillation reverse KL", False),
 )
+
+#: The held-out values an evaluation without an outcome does not log (roll_core.eval_history): their last cell is the
+#: last evaluation's own, never an earlier one's.
+OUTCOME_KEYS = ("eval/accuracy", "eval/success_rate", "eval/reward")
 
 
 def read_history(path: Path) -> list[dict[str, Any]]:
@@ -101,33 +109,52 @@ def headline(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each HEADLINE metric the history holds (plus each `eval/<domain>/accuracy`): its first, last and best
     value with their steps (`first`, `last`, `best`: (step, value)), and in `stderr` the standard error the same
     record logged with each of them (`<key>_stderr`, e.g. an episode collector's eval/success_rate_stderr; None
-    where it logged none)."""
+    where it logged none). For OUTCOME_KEYS `last` is the last evaluation's own value (a NaN as logged; None when it
+    had no outcome, `no_outcome` then saying why: an eval/accuracy row is there even without any value logged)."""
     keys = [(k, what, up) for k, what, up in HEADLINE]
     # the domain is everything between `eval/` and `/accuracy`: a domain named with a "/" (`eval/a/b/accuracy`) was
     # left out of the numbers (`eval/accuracy` itself is the HEADLINE's)
     domains = {k: k[len("eval/") : -len("/accuracy")] for h in history for k in h if _domain_key(k)}
     keys += [(k, f"held-out accuracy, {d}", True) for k, d in sorted(domains.items())]
+    last_eval, why = last_evaluation(history), no_outcome(history)
     rows = []
     for key, what, up in keys:
         recs = [h for h in history if _finite(h.get(key))]
-        if not recs:
+        own = _own_last(key, recs, last_eval, why) if key in OUTCOME_KEYS else None
+        if not recs and (own is None or key != "eval/accuracy"):
             continue
-        pts = [(h["step"], h[key]) for h in recs]
-        errs = [h.get(f"{key}_stderr") if _finite(h.get(f"{key}_stderr")) else None for h in recs]
-        order = range(len(pts))
-        best = max(order, key=lambda i: pts[i][1]) if up else min(order, key=lambda i: pts[i][1])
-        rows.append(
-            {
-                "key": key,
-                "what": what,
-                "first": pts[0],
-                "last": pts[-1],
-                "best": pts[best],
-                "count": len(pts),
-                "stderr": {"first": errs[0], "last": errs[-1], "best": errs[best]},
-            }
-        )
+        pts = [((h["step"], h[key]), _stderr(h, key)) for h in recs]
+        ends: dict[str, int] = {}
+        if pts:
+            order = range(len(pts))
+            best = max(order, key=lambda i: pts[i][0][1]) if up else min(order, key=lambda i: pts[i][0][1])
+            ends = {"first": 0, "last": len(pts) - 1, "best": best}
+        row: dict[str, Any] = {"key": key, "what": what, "count": len(pts), "stderr": {}}
+        for c in ("first", "last", "best"):
+            row[c], row["stderr"][c] = pts[ends[c]] if c in ends else (None, None)
+        if own is not None:
+            row["last"], row["stderr"]["last"], row["no_outcome"] = own
+        rows.append(row)
     return rows
+
+
+def _own_last(
+    key: str, recs: list[dict[str, Any]], last_eval: dict[str, Any] | None, why: str | None
+) -> tuple[tuple[int, Any], float | None, str | None] | None:
+    """(point, stderr, why) of the last evaluation's own `key` where it is not the last logged value (`recs`: the
+    records with a finite one): a NaN as logged, or None with `why` (eval_history.no_outcome); None otherwise."""
+    if last_eval is None or (recs and last_eval["step"] <= recs[-1]["step"]):
+        return None
+    value = last_eval.get(key)
+    if value is None and why is None:  # not logged, though the evaluation had an outcome: the last logged one stands
+        return None
+    return (last_eval["step"], value), _stderr(last_eval, key), why if value is None else None
+
+
+def _stderr(record: dict[str, Any], key: str) -> float | None:
+    """The standard error `record` logged with `key` (`<key>_stderr`), None where it logged no finite one."""
+    err = record.get(f"{key}_stderr")
+    return err if _finite(err) else None
 
 
 def _domain_key(key: str) -> bool:
@@ -196,9 +223,14 @@ def _value(v: Any) -> str:
     return f"{v:.3e}" if 0 < abs(v) < 1e-3 else f"{v:.4f}"
 
 
-def _headline_cell(point: tuple[int, Any], stderr: float | None) -> str:
-    """`value (step)`, or `value ± standard error (step)` when the record logged one (as roll-eval's tables)."""
+def _headline_cell(point: tuple[int, Any] | None, stderr: float | None, why: str | None = None) -> str:
+    """`value (step)`, or `value ± standard error (step)` when the record logged one (as roll-eval's tables); `none:
+    <why>` for an evaluation without an outcome (`why`: roll_core.eval_history.no_outcome); `-` with no value."""
+    if point is None:
+        return "-"
     step, value = point
+    if value is None:
+        return f"none: {why}" if why else f"none ({step})"
     return f"{_value(value)} ({step})" if stderr is None else f"{_value(value)} ± {_value(stderr)} ({step})"
 
 
@@ -211,9 +243,9 @@ def _duration(seconds: float | None) -> str:
 
 
 def config_rows(cfg: Any, eval_n: float | None = None) -> list[tuple[str, str]]:
-    """(setting, value) lines of the config summary; `eval_n`: the held-out problems an evaluation scored (the
-    task's held-out split may be smaller than pipeline.eval_size). A run with pipeline.eval_every=0 evaluates
-    nothing, and its row says so."""
+    """(setting, value) lines of the config summary; `eval_n`: the held-out problems an evaluation ran
+    (roll_core.eval_history.last_evaluation_size: the task's held-out split may be smaller than pipeline.eval_size).
+    A run with pipeline.eval_every=0 evaluates nothing, and its row says so."""
     a, p, m = cfg.algo, cfg.pipeline, cfg.model
     g = getattr
     temp = p.eval_temperature if p.eval_temperature is not None else f"{cfg.infer_engine.temperature} (engine's)"
@@ -265,7 +297,8 @@ def write_run_report(
             ]
         lines += [f"- wall time: {_duration(wall_seconds)}", f"- folder: `{out.resolve()}`", "", "## Config", ""]
         lines += ["| setting | value |", "|---|---|"]
-        eval_n = next((h["eval/n"] for h in reversed(history) if isinstance(h.get("eval/n"), (int, float))), None)
+        # the problems the last evaluation ran: one without an outcome logged eval/n 0 ("on 0 held-out problems")
+        eval_n = last_evaluation_size(history)
         lines += [f"| {k} | {v} |" for k, v in config_rows(cfg, eval_n)]
         lines += ["", "Full config: [config.yaml](config.yaml); metrics: [metrics.jsonl](metrics.jsonl).", ""]
         if (out / "curves.png").is_file():
@@ -275,7 +308,8 @@ def write_run_report(
         if rows:
             lines += ["| metric | first (step) | last (step) | best (step) | points |", "|---|---|---|---|---|"]
             for r in rows:
-                cells = [_headline_cell(r[c], r["stderr"][c]) for c in ("first", "last", "best")]
+                why = {"last": r.get("no_outcome")}
+                cells = [_headline_cell(r[c], r["stderr"][c], why.get(c)) for c in ("first", "last", "best")]
                 lines.append(f"| {r['what']} (`{r['key']}`) | " + " | ".join(cells) + f" | {r['count']} |")
         else:
             lines.append("No metrics were logged.")

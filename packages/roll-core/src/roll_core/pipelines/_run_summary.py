@@ -8,8 +8,9 @@ Contract (pure functions of their arguments: no I/O, no logging; `end_status` ma
   held-out accuracy, except for a complete run (`signum` None) whose last logged step is a skipped one: None, whether
   the skip was this process's (a signal in the last step) or an earlier one's (a resume that trains nothing), since
   an earlier step's accuracy would pass for the final model's; None too when the last evaluation logged no accuracy
-  (`eval/n` 0: an episode collector none of whose held-out episodes had an outcome). `skipped` names every skipped
-  evaluation, the final one as `final evaluation (step N)`.
+  (`eval/n` 0: an episode collector none of whose held-out episodes had an outcome; the one rule,
+  roll_core.eval_history's `last_eval_accuracy`). `skipped` names every skipped evaluation, the final one as
+  `final evaluation (step N)`.
 - `end_status` is `stopped by signal N (resume from <checkpoint> | no checkpoint to resume from)` for a stopped run;
   for a complete one `finished`, or, when evaluations were skipped, `finished: every step trained ...; <who> skipped
   the <evaluations>` with the roll-eval command's checkpoint for a skipped final evaluation (`<who>`: the signal
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from roll_core.checkpoint import step_of
+from roll_core.eval_history import last_eval_accuracy
 from roll_core.pipelines._run_endings import signal_name
 from roll_core.pipelines.empty_steps import total
 
@@ -43,9 +45,8 @@ def run_summary(
     `skipped`, `empty_steps`, then the collector's own entries (see the module docstring)."""
     evals = [h["eval/accuracy"] for h in history if h.get("eval/accuracy") is not None]
     # the last evaluation's own accuracy: an episode collector's with no outcome (eval/n 0) logs none, and the one
-    # before it passed for the final model's (a sweeper optimised it)
-    evaluated = [h for h in history if "eval/accuracy" in h or "eval/n" in h]
-    final = evaluated[-1].get("eval/accuracy") if evaluated else None
+    # before it passed for the final model's (a sweeper optimised it); the rule the report and sweeps read too
+    final = last_eval_accuracy(history)
     rewards = [(h["step"], h["reward/mean"]) for h in history if h.get("reward/mean") is not None]
     last = max((h["step"] for h in history), default=None)
     final_skipped = signum is None and last in skipped_evals  # (a late signal skipped it, maybe before a resume)

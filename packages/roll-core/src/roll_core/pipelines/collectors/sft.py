@@ -147,8 +147,11 @@ class SFTCollector:
         self.held_out: RowSource | None = data.eval
         self.sampler = PromptSampler(len(self.train), seed=cfg.pipeline.seed, window=cfg.pipeline.rollout_batch_size)
         problems = ctx.task.eval_set() if cfg.sft.eval_task and _single_turn(ctx.task) else []
-        # The task's held-out problems beyond pipeline.eval_size: neither trained nor evaluated (`_data_counts`).
-        self.eval_problems, self.eval_cut = first_eval_size(list(problems), cfg.pipeline.eval_size)
+        # The task's held-out problems beyond pipeline.eval_size: neither trained nor evaluated (`_data_counts`); a
+        # cut leaving a domain out is a warning when the run evaluates (eval_every=0 warned for nothing).
+        self.eval_problems, self.eval_cut = first_eval_size(
+            list(problems), cfg.pipeline.eval_size, evaluates=cfg.pipeline.eval_every > 0
+        )
         self.reward: RewardGroup | None = None  # built on the first accuracy evaluation
         if cfg.pipeline.eval_every > 0 and self.held_out is None and not self.eval_problems:
             log.warning(
