@@ -131,6 +131,30 @@ def test_config_errors_where_adapter_sync_cannot_work() -> None:
         C.VLLMInferEngineConfig(lora_sync="both")
 
 
+def test_a_target_regex_reaching_an_embedding_is_refused_when_weight_sync_is_set_up(trained: HFTrainEngine) -> None:
+    """A regex that reaches an (untied) embedding without naming it passes the config check, which reads names only;
+    the adapter export refused it at the first weight sync, after a whole rollout and training step. The worker
+    refuses it when the run's WeightSync sets the adapter format (before the first rollout), with what to change."""
+    from roll_core.cluster.roles import TrainGroup, TrainWorker
+
+    te, ie = _engines(targets=r".*(q_proj|_tokens)")
+    assert adapter_rank(te, ie) == 4  # what the config can see: no name of an embedding
+    train = TrainGroup(TrainWorker, 1, "local", engine=vars(te), runtime={"model_path": trained.path, "lr": 1e-3})
+    try:
+        assert "model.embed_tokens" in train.workers[0].engine.model.targeted_module_names
+        with pytest.raises(
+            ConfigError,
+            match=r"lora_target_modules adapts model\.embed_tokens \(an embedding\).*"
+            r"lora_sync=merged",
+        ):
+            train.call(TrainWorker.set_weight_format, "adapter")
+        assert train.workers[0].weight_format == "merged"
+    finally:
+        train.shutdown()
+    trained.check_adapter_sync()  # all-linear: nothing refused, and the adapter is what a sync then sends
+    assert sum(1 for _ in trained.iter_adapter()) > 0
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="pid namespaces are told apart through /proc")
 def test_adapter_folders_of_dead_engines_are_removed_at_the_next_engine_start(tmp_path, caplog) -> None:
     """An engine killed with LoRA serving on left its adapter folder in /dev/shm (only `close` removed it). The next

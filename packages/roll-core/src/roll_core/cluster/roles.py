@@ -146,9 +146,16 @@ class TrainWorker(EngineWorker):
 
     @dispatch(Dispatch.BROADCAST)
     def set_weight_format(self, weight_format: str) -> None:
-        """What `weight_buckets` yields from now on: "merged" weights or the LoRA "adapter" alone."""
+        """What `weight_buckets` yields from now on: "merged" weights or the LoRA "adapter" alone.
+
+        Called when the run's WeightSync is built, before the first rollout: an engine's optional
+        `check_adapter_sync()` raises here what its `iter_adapter` would refuse (an adapter on an embedding that a
+        target regex reached without naming it), not at the first sync after a rollout and a training step."""
         if weight_format == "adapter" and not callable(getattr(self.engine, "iter_adapter", None)):
             raise ValueError(f"train engine {type(self.engine).__name__} cannot export a LoRA adapter alone")
+        check = getattr(self.engine, "check_adapter_sync", None)
+        if weight_format == "adapter" and callable(check):
+            check()
         self.weight_format = weight_format
 
     @dispatch(Dispatch.BROADCAST)

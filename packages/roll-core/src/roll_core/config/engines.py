@@ -5,11 +5,13 @@ these dataclasses; the root config (roll_core.config.schema.RLVRConfig) types `t
 so the pipeline reads these fields typed whatever engine is installed. `__post_init__` refuses bad values with the
 key's name; `resolve_sleep_level` fills the run-dependent default of `infer_engine.sleep_level`, and
 `refuse_sleeping_engines` refuses a level above 0 in an asynchronous run; `warn_low_group_temperature` warns about
-near-greedy sampling with a group-relative estimator (every group's advantages zero).
+near-greedy sampling with a group-relative estimator (every group's advantages zero), `warn_ignored_lora_keys` about
+LoRA keys set while `lora_rank=0` (full fine-tuning ignores them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -59,8 +61,9 @@ class TrainEngineConfig:
     num_threads: int | None = None
     # dtype of the trained parameters and optimizer state (master weights); model.dtype is the compute dtype.
     param_dtype: str = "float32"
-    # LoRA rank of the policy's adapters; 0 trains every weight. With LoRA the reference policy is the base model
-    # with adapters disabled (no second copy) and weight sync sends merged weights.
+    # LoRA rank of the policy's adapters; 0 trains every weight (the other lora_* keys are then ignored: warned about
+    # when set off their defaults). With LoRA the reference policy is the base model with adapters disabled (no
+    # second copy) and weight sync sends merged weights.
     lora_rank: int = 0
     # LoRA scaling numerator (the update is alpha / rank * B @ A).
     lora_alpha: float = 16.0
@@ -207,6 +210,34 @@ class InferEngineConfig:
         self.sleep_level = resolve_sleep_level(
             self.sleep_level, colocated=colocated, accelerator=accelerator, async_rollout=async_rollout
         )
+
+
+#: LoRA keys that only `train_engine.lora_rank > 0` reads (`warn_ignored_lora_keys`).
+LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_target_modules")
+
+
+def warn_ignored_lora_keys(train_engine: Any) -> list[str]:
+    """Log one warning (and return the keys) when `LORA_KEYS` are set off their engine's defaults while
+    `train_engine.lora_rank=0`: the run fine-tunes every weight and ignores them, so a run meant to train adapters
+    on those targets trained the full model without a word. A warning, not an error: a sweep over lora_rank=0,8
+    sharing its targets is legitimate. Called by the root config once per composition (not in `__post_init__`: the
+    wiring copies the policy's config with lora_rank=0 for the reference and critic)."""
+    if not isinstance(train_engine, TrainEngineConfig) or train_engine.lora_rank:
+        return []
+    defaults = {f.name: f.default for f in dataclasses.fields(train_engine) if f.name in LORA_KEYS}
+    ignored = [
+        k
+        for k in LORA_KEYS
+        if defaults.get(k, dataclasses.MISSING) is not dataclasses.MISSING and getattr(train_engine, k) != defaults[k]
+    ]
+    if ignored:
+        logging.getLogger(__name__).warning(
+            "train_engine.lora_rank=0 fine-tunes every weight: %s %s ignored; set train_engine.lora_rank > 0 to "
+            "train LoRA adapters",
+            ", ".join(f"train_engine.{k}={getattr(train_engine, k)!r}" for k in ignored),
+            "is" if len(ignored) == 1 else "are",
+        )
+    return ignored
 
 
 def warn_low_group_temperature(temperature: float, estimator: str, group_size: int, pipeline: str) -> bool:

@@ -25,6 +25,7 @@ from roll_core.config.engines import (
     _platform_is_accelerator,
     refuse_sleeping_engines,
     resolve_sleep_level,
+    warn_ignored_lora_keys,
     warn_low_group_temperature,
 )
 from roll_core.config.generation import GenerationConfig, check_stop_tokens
@@ -410,6 +411,7 @@ class RLVRConfig:
             # Settled now (a null level resolved to 0 for an asynchronous run): refused before any engine is built.
             refuse_sleeping_engines(pipe.async_ratio, self.infer_engine.sleep_level)
             warn_low_group_temperature(self.infer_engine.temperature, algo.adv_estimator, algo.group_size, pipe.name)
+        warn_ignored_lora_keys(self.train_engine)  # lora_* keys set while lora_rank=0: full fine-tuning ignores them
         if isinstance(self.data, DataConfig) and model.chat_template_kwargs:
             # Rows are rendered as the model's prompts are (qwen3_nothink's enable_thinking=false): SFT otherwise
             # taught the model to write the empty think block that its evaluation prompts already end with.

@@ -208,36 +208,67 @@ def adapter_weights(model: torch.nn.Module, full: Callable[[Tensor], Tensor]) ->
     """(peft saved name, full tensor) of every adapter matrix: `<module>.lora_A.weight` [r, in] and
     `<module>.lora_B.weight` [out, r] with B already multiplied by the layer's scaling (alpha / r), so a receiver
     serves the adapter with scaling 1 (lora_alpha = r) and needs no other setting. Collective on sharded engines.
+    ConfigError, before the first tensor, for an adapter `refuse_unservable` refuses."""
+    refuse_unservable(model)
+    from peft.tuners.lora import LoraLayer
 
-    Raises ValueError for layers an adapter-serving engine cannot take (embedding and convolution adapters, and any
-    adapter on a vision-language model's vision side: vLLM serves LoRA on the language model only, and dropped a
-    vision tower's adapters silently, so its rollouts came from another policy than the trainer's)."""
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLayer) or ADAPTER not in m.lora_A:
+            continue
+        a = full(m.lora_A[ADAPTER].weight.detach())
+        b = full(m.lora_B[ADAPTER].weight.detach())
+        yield f"{name}.lora_A.weight", a
+        yield f"{name}.lora_B.weight", b * m.scaling[ADAPTER]
+
+
+def refuse_unservable(model: torch.nn.Module) -> None:
+    """ConfigError for adapted layers an adapter-serving engine (infer_engine.lora_sync=adapter) cannot take:
+    embedding and convolution adapters, and any adapter on a vision-language model's vision side (vLLM serves LoRA on
+    the language model only, and dropped a vision tower's adapters silently, so its rollouts came from another policy
+    than the trainer's). The config check (roll_core.config.lora_sync) refuses only the targets it can read off the
+    names; a regex that reaches an embedding without naming it (".*(q_proj|_tokens)") is seen here, on the model:
+    the engines call this when the run's weight sync is set up (`check_adapter_sync`, TrainWorker.
+    set_weight_format), before the first rollout, not at the first sync after a rollout and a training step."""
     import re
 
     from peft.tuners.lora import LoraLayer
 
-    vision = [n for n, m in model.named_modules() if isinstance(m, LoraLayer) and re.fullmatch(VISION_MODULES, n)]
+    from roll_core.errors import ConfigError
+
+    adapted = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+    vision = [n for n, _ in adapted if re.fullmatch(VISION_MODULES, n)]
     if vision:
-        raise ValueError(
+        raise ConfigError(
             f"{len(vision)} adapted layers are on the vision side ({', '.join(vision[:3])}"
             f"{', ...' if len(vision) > 3 else ''}): infer_engine.lora_sync=adapter serves the language model's "
             "adapters only (vLLM would drop these silently). Target the language model alone "
             "(train_engine.lora_target_modules=all-linear, which leaves the vision tower out, or a regex that "
             "excludes visual/vision_tower/multi_modal_projector), or use infer_engine.lora_sync=merged"
         )
-    for name, m in model.named_modules():
-        if not isinstance(m, LoraLayer):
-            continue
-        if ADAPTER in getattr(m, "lora_embedding_A", {}):
-            raise ValueError(f"{name} has an embedding adapter: adapter weight sync serves linear layers only")
-        if ADAPTER not in m.lora_A:
-            continue
-        if m.lora_A[ADAPTER].weight.dim() != 2:
-            raise ValueError(f"{name} has a convolution adapter: adapter weight sync serves linear layers only")
-        a = full(m.lora_A[ADAPTER].weight.detach())
-        b = full(m.lora_B[ADAPTER].weight.detach())
-        yield f"{name}.lora_A.weight", a
-        yield f"{name}.lora_B.weight", b * m.scaling[ADAPTER]
+    refused = [f"{n.split('base_model.model.', 1)[-1]} ({kind})" for n, m in adapted if (kind := _unservable(m))]
+    if refused:
+        raise ConfigError(
+            f"train_engine.lora_target_modules adapts {', '.join(refused[:3])}{', ...' if len(refused) > 3 else ''}: "
+            "an inference engine serves LoRA on linear layers, not on embeddings or convolutions; narrow the targets "
+            "to leave them out, or use infer_engine.lora_sync=merged"
+        )
+
+
+def _unservable(module: Any) -> str | None:
+    """What an adapter-serving engine cannot take of this LoRA layer ("an embedding", "a convolution"), or None."""
+    if ADAPTER in getattr(module, "lora_embedding_A", {}):
+        return "an embedding"
+    if ADAPTER in module.lora_A and module.lora_A[ADAPTER].weight.dim() != 2:
+        return "a convolution"
+    return None
+
+
+def check_adapter_sync(engine: Any) -> None:
+    """What an engine's `check_adapter_sync` runs (TrainWorker.set_weight_format, before the first rollout): the
+    ValueError `iter_adapter` would raise at the first sync, raised now."""
+    if not getattr(engine, "lora", False):
+        raise ValueError(f"{engine.name} engine: adapter weight sync needs LoRA (train_engine.lora_rank > 0)")
+    refuse_unservable(engine.model)
 
 
 def adapter_state(model: torch.nn.Module, full: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:

@@ -65,7 +65,7 @@ from roll_engines.train._logits import (
     gather_ids_of,
     response_outputs,
 )
-from roll_engines.train._lora import apply_lora, base_model, is_lora
+from roll_engines.train._lora import apply_lora, base_model, check_adapter_sync, is_lora
 from roll_engines.train._micro import (
     MetricMeans,
     check_micro_batch_tokens,
@@ -263,6 +263,10 @@ class HFTrainEngine(HFWeightsAndCheckpoints, HFAttentionCredit):
     @property
     def lora(self) -> bool:
         return is_lora(self.model)
+
+    def check_adapter_sync(self) -> None:
+        """ConfigError now (TrainWorker.set_weight_format: before the first rollout) for what `iter_adapter` refuses."""
+        check_adapter_sync(self)
 
     def _forward(
         self,
