@@ -319,7 +319,7 @@ def test_generated_task_types_and_counts_are_checked() -> None:
         InstructTask(reward, min_constraints=3, max_constraints=2)
     with pytest.raises(ValueError, match="cannot draw 5 training problems"):  # two conflicting types, two each
         InstructTask(reward, types=["json", "bullets"], min_constraints=2, train_size=5)
-    drawn = draw_constraints(random.Random(0), ["json", "bullets", "quotation", "starts_with"], 3)
+    drawn = draw_constraints(random.Random(0), ["json", "bullets", "quotation"], 3)
     assert len(drawn) == 1  # every pair of these conflicts
 
 

@@ -35,6 +35,9 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
   "-5 degrees", "---" and "- - -" are not; numbered items are not.
 - *keywords* / *forbidden*: a whole-word (or whole-phrase) match, case-insensitive: "very" is not in "everything";
   a space in a phrase matches any run of whitespace, line breaks included.
+- *Case-insensitive* means Unicode's full case folding (`str.casefold`), as starts_with and ends_with compare:
+  "straße" is "STRASSE" (what `str.upper` makes of it, so a keyword survives an all-capitals answer), and a
+  dotted "İ" is an "i".
 - *json*: the response, stripped of surrounding whitespace and optionally of one enclosing ```json (```JSON,
   ```Json or ```; on its own lines or on one) fence,
   parses as a JSON object holding every listed key at its top level; nothing may precede or follow it.
@@ -44,11 +47,14 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
 - *starts_with* / *ends_with*: the response, stripped of surrounding whitespace (and, as IFEval's end check does,
   of the double quotes around it: `"... That is all."` ends with "That is all", so quotation and ends_with can
   both be met), begins (ends) with the phrase, case-insensitive, and the match is whole words ("Sure" is not met
-  by "Surely"). For ends_with, trailing `.`, `!` and `?` are ignored on both sides ("that is all." ends with "That
-  is all").
+  by "Surely"); a run of whitespace, line breaks included, reads as one space on both sides ("My  answer is" starts
+  with "My answer is"). For ends_with, trailing sentence-ending punctuation (the `.`, `!`, `?`, `…`, `।`, `॥`,
+  `؟`, `。`, `！` and `？` that end a sentence) is ignored on both sides ("that is all." ends with "That is all",
+  "谢谢。" with "谢谢"); anything else after the phrase (a `)`, an emoji) is not: the answer must end with it.
 - Text is compared in Unicode's composed form (NFC): a keyword "café" typed with a combining accent is the same
   word as the precomposed one.
-- *no_commas*: no `,` and no fullwidth `，`.
+- *no_commas*: no comma of any script: no punctuation mark (Unicode category Po) that Unicode names a comma:
+  `,`, the fullwidth `，`, the ideographic `、` (Japanese's comma), the Arabic `،`, the small `﹐`, ...
 - *quotation*: the stripped response starts and ends with a double quote (" or “ ”) and holds a word inside.
 
 Reasoning: the constraints apply to the answer, the text after the last `</think>` (roll_envs.rewards.judge's
@@ -83,20 +89,25 @@ from roll_envs.rewards.judge import final_text
 log = logging.getLogger(__name__)
 
 
-def _mark_class() -> str:
+def _unicode_classes() -> tuple[str, frozenset[str]]:
     """A regex character class of every Unicode combining mark (categories Mn, Mc, Me), which `\\w` leaves out:
-    without them a Devanagari or Thai word, or a decomposed accent, falls apart into pieces."""
+    without them a Devanagari or Thai word, or a decomposed accent, falls apart into pieces; and every comma
+    (punctuation, category Po, that Unicode names a comma: "ARABIC COMMA", "IDEOGRAPHIC COMMA", ...)."""
     ranges: list[list[int]] = []
-    for cp in (*range(0x30000), *range(0xE0000, 0xE1000)):  # no mark lies elsewhere
-        if unicodedata.category(chr(cp)).startswith("M"):
+    commas = set()
+    for cp in (*range(0x30000), *range(0xE0000, 0xE1000)):  # no mark or comma lies elsewhere
+        category = unicodedata.category(chr(cp))
+        if category.startswith("M"):
             if ranges and ranges[-1][1] == cp - 1:
                 ranges[-1][1] = cp
             else:
                 ranges.append([cp, cp])
-    return "[" + "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in ranges) + "]"
+        elif category == "Po" and "COMMA" in unicodedata.name(chr(cp), ""):
+            commas.add(chr(cp))
+    return "[" + "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in ranges) + "]", frozenset(commas)
 
 
-_M = _mark_class()
+_M, COMMAS = _unicode_classes()
 #: A letter or digit with the marks on it (marks and `[^\W_]` are disjoint, so the nesting cannot backtrack).
 _WC = rf"[^\W_]{_M}*"
 _WORD = re.compile(rf"(?:{_WC})+(?:(?:['’-]|(?<=\d)[.,](?=\d))(?:{_WC})+)*")
@@ -107,7 +118,8 @@ _BULLET = re.compile(r"[ \t]*[-*][ \t]+(.*)")
 # One enclosing fence, its language tag in any case, on separate lines or on one (```json {"a": 1}```), as the
 # reference IFEval's JSON check strips it.
 _FENCE = re.compile(r"```(?:json)?[ \t]*\n?(.*?)\s*```", re.S | re.I)
-_TRAILING_STOPS = ".!?"
+# What ends a sentence (`_SENTENCE_END`), ignored at the end of an ends_with phrase and of the answer.
+_TRAILING_STOPS = ".!?…।॥؟。！？"
 _QUOTES = '"“”'
 
 
@@ -139,7 +151,7 @@ def bullets(text: str) -> list[str]:
 def count_phrase(text: str, phrase: str) -> int:
     """Whole-word, case-insensitive occurrences of `phrase` in `text` (non-overlapping; any run of whitespace in
     the text matches a space of the phrase)."""
-    text, phrase = unicodedata.normalize("NFC", text), unicodedata.normalize("NFC", phrase)
+    text, phrase = _fold(text), _fold(phrase)
     body = r"\s+".join(re.escape(part) for part in phrase.split())
     # Words as `words` reads them: "well-known" and "don't" are one word, so "known" is not in "well-known".
     before = rf"(?<![^\W_])(?<!{_M})(?<![^\W_]['’-])(?<!{_M}['’-])"
@@ -237,8 +249,15 @@ def _word_char(ch: str) -> bool:
     return ch.isalnum() or unicodedata.category(ch).startswith("M")
 
 
+def _fold(text: str) -> str:
+    """`text` composed (NFC) and fully case-folded ("ß" is "ss", as "STRASSE" is). Folding turns "İ" into "i" and
+    a combining dot, which would keep "İstanbul" from matching "istanbul": that dot is dropped (an "i" has one)."""
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFC", text).casefold()).replace("i\u0307", "i")
+
+
 def _folded(text: str) -> str:
-    return unicodedata.normalize("NFC", text).strip().casefold()
+    """`_fold`, stripped, each run of whitespace one space (an invisible difference must not decide a match)."""
+    return " ".join(_fold(text).split())
 
 
 def _bodies(response: str) -> set[str]:
@@ -350,7 +369,7 @@ KINDS: dict[str, Kind] = {
         lambda c: f'End your answer with the {"word" if len(words(c["phrase"])) == 1 else "phrase"} "{c["phrase"]}".',
     ),
     "no_commas": Kind(
-        _NONE, _NONE, lambda c: None, lambda c, r: "," not in r and "，" not in r,
+        _NONE, _NONE, lambda c: None, lambda c, r: COMMAS.isdisjoint(r),
         lambda c: "Do not use any commas.",
     ),
     "quotation": Kind(

@@ -2,8 +2,8 @@
 
 Generated (no `path`): each problem is a short request ("Describe the ocean.") followed by 1-3 constraints in plain
 words ("Answer in at most 20 words. Include the word "river".", roll_envs.rewards.ifeval). The constraint types
-drawn are `types`; pairs that cannot hold together in one short answer (JSON and bullets, quotation marks and a
-first word, ...) are never drawn, and a problem is kept only when `satisfying_response` writes a response that
+drawn are `types`; pairs that cannot hold together in one short answer (JSON and bullets, bullets and a first
+word, ...) are never drawn, and a problem is kept only when `satisfying_response` writes a response that
 meets all of its constraints, so every generated problem can be solved. A problem is held out when a stable hash of
 its request and constraints falls below `eval_fraction`, so the split does not depend on the seed or the sizes
 asked for; the seed picks which problems are drawn (the held-out draw has its own derived seed).
@@ -83,9 +83,11 @@ _CONFLICTS = {
         ("json", "bullets"), ("json", "sentence_count"), ("json", "paragraphs"), ("json", "starts_with"),
         ("json", "ends_with"), ("json", "quotation"), ("json", "no_commas"), ("bullets", "sentence_count"),
         ("bullets", "paragraphs"), ("bullets", "quotation"), ("bullets", "starts_with"),
-        ("quotation", "starts_with"), ("quotation", "ends_with"), ("sentence_count", "paragraphs"),
+        ("sentence_count", "paragraphs"),
     ]
 }  # fmt: skip
+# Quotation marks go with a first or last phrase: starts_with and ends_with read inside the quotes around the
+# answer (roll_envs.rewards.ifeval), and IFEval draws startend:quotation with startend:end_checker.
 
 
 def _draw_constraint(kind: str, rng: random.Random, chosen: set[str]) -> dict[str, Any]:
