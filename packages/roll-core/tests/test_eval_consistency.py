@@ -98,19 +98,24 @@ def no_idle_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(idle_aborts, "IDLE_BACKOFF_S", 0.0)
 
 
+#: Six problems: right, wrong, refused (its cut response grades right), NaN reward (graded right), filling the
+#: engine's context, over model.max_prompt_length.
+_SIX = [
+    EchoProblem("ok", "question 0", domain="a"),
+    EchoProblem("short", "question 1", domain="b"),
+    EchoProblem("cut", "question 2", domain="a"),
+    EchoProblem("nan", "question 3", answer="nan", domain="b"),
+    EchoProblem("ctx", "question 4", domain="a"),
+    EchoProblem("long", "question " * 200, domain="b"),
+]
+
+
 def test_roll_eval_and_the_training_evaluation_agree_on_the_same_rows() -> None:
     """Six problems: right, wrong, refused (its cut response grades right), NaN reward (graded right), filling the
     engine's context, over model.max_prompt_length. Both paths: accuracy 1/4 (the failed two are wrong), reward
     (1 + 0 + 1 + 0) / 4, four problems scored, per domain the same; roll-eval's skips split by reason."""
     tokenizer = build_tiny_tokenizer()
-    problems = [
-        EchoProblem("ok", "question 0", domain="a"),
-        EchoProblem("short", "question 1", domain="b"),
-        EchoProblem("cut", "question 2", domain="a"),
-        EchoProblem("nan", "question 3", answer="nan", domain="b"),
-        EchoProblem("ctx", "question 4", domain="a"),
-        EchoProblem("long", "question " * 200, domain="b"),
-    ]
+    problems = _SIX
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
     collector = eval_collector(tokenizer, problems, _Engine(), _Scoring(tokenizer), params, LIMIT)
     rows, skipped, _ = sample_rows(collector, EchoTask(), 1)
@@ -194,6 +199,27 @@ def test_the_training_evaluation_logs_the_accuracy_standard_error_roll_eval_give
     for d in ("a", "unknown"):
         assert out[f"eval/{d}/accuracy_stderr"] == pytest.approx(by[d]["accuracy_stderr"]) == pytest.approx(0.5)
     assert PromptCollector.evaluate(_collector(_FOUR[:1]), 0)["eval/accuracy_stderr"] is None  # type: ignore[arg-type]
+
+
+def test_the_training_evaluation_logs_the_held_out_problems_it_skipped() -> None:
+    """Of six held-out problems one prompt is over model.max_prompt_length and one fills the engine's context: the
+    run logged eval/n 4 and nothing else, as for a held-out set of 4 (report.md's "on 4 held-out problems"), where
+    roll-eval lists both skips. They are logged under the training's names, and the evaluation's size counts them."""
+    from roll_core.eval_history import last_evaluation_size
+    from roll_core.pipelines.collectors.prompts import PromptCollector
+
+    _, skipped, _ = sample_rows(_collector(_SIX), EchoTask(), 1)
+
+    out = PromptCollector.evaluate(_collector(_SIX), 0)  # type: ignore[arg-type]
+
+    assert out["eval/n"] == 4
+    assert out["eval/skipped_long_prompts"] == skipped["prompt_length"] == 1
+    assert out["eval/skipped_context_prompts"] == skipped["engine_context"] == 1
+    assert "eval/skipped_bad_images" not in out  # a text run's evaluation, as its training, has no such key
+    assert last_evaluation_size([{"step": 0, **out}]) == len(_SIX)
+    none = PromptCollector.evaluate(_collector(_FOUR), 0)  # type: ignore[arg-type]
+    assert (none["eval/skipped_long_prompts"], none["eval/skipped_context_prompts"]) == (0, 0)
+    assert last_evaluation_size([{"step": 0, **none}]) == len(_FOUR)
 
 
 def _result(skipped: dict[str, int] | None, total: int) -> dict[str, Any]:

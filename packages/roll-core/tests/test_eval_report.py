@@ -347,3 +347,11 @@ def test_the_last_held_out_accuracy_is_the_last_evaluations_and_says_it_had_no_o
     rows = [*_NO_OUTCOME, {"step": 5, "eval/n": 4.0, "eval/accuracy": 0.75, "eval/accuracy_stderr": 0.25}]
     (acc,) = [r for r in headline(rows) if r["key"] == "eval/accuracy"]
     assert acc["last"] == (5, 0.75) and acc["stderr"]["last"] == 0.25 and "no_outcome" not in acc
+
+
+def test_the_config_row_counts_the_held_out_problems_an_evaluation_skipped(tmp_path: Path) -> None:
+    """An RLVR evaluation of 8 held-out problems scored 5 (eval/n): 2 prompts over model.max_prompt_length, 1 filling
+    the engine's context. The row read "on 5 held-out problems", as for a held-out set of 5."""
+    skipped = {"eval/skipped_long_prompts": 2.0, "eval/skipped_context_prompts": 1.0, "eval/skipped_bad_images": 0.0}
+    rows = [{"step": 0, "eval/n": 5.0, "eval/accuracy": 0.6, **skipped}]
+    assert "| evaluation | every 4 steps on 8 held-out problems (pipeline.eval_size 64)" in _report_text(tmp_path, rows)

@@ -10,9 +10,10 @@ Contract (pure functions of the history, except `no_outcome_in`, which reads a r
 - `no_outcome` says why the last evaluation has no accuracy when it had no outcome (`last evaluation (step 4) had
   no outcome (eval/n 0: eval/reset_failed_episodes=4)`), None when it has one or there is no evaluation.
 - `last_evaluation_size` is the held-out problems (episodes) the last evaluation logging `eval/n` ran: its `eval/n`
-  plus the episodes it counted out of `eval/n` for want of an outcome (`_NOT_ATTEMPTED`), so an evaluation none of
-  whose 4 episodes had an outcome ran 4, not `eval/n`'s 0 (report.md read "on 0 held-out problems"); None when no
-  record logged `eval/n`.
+  plus the episodes it counted out of `eval/n` for want of an outcome (`_NOT_ATTEMPTED`) and the problems it skipped
+  unscored (`SKIPPED`), so an evaluation none of whose 4 episodes had an outcome ran 4, not `eval/n`'s 0 (report.md
+  read "on 0 held-out problems"), and one that scored 6 of its 8 problems (2 prompts over model.max_prompt_length)
+  ran 8, its held-out set's size; None when no record logged `eval/n`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from typing import Any
 
 #: What an evaluation with no outcome logged instead, most telling first (the episode collectors' counts).
 _NOT_ATTEMPTED = ("eval/reset_failed_episodes", "eval/context_refused_episodes", "eval/aborted_episodes")
+
+#: The held-out problems a prompt-based evaluation skipped, never scored nor in `eval/n`, by its result's key
+#: (roll_core.pipelines.rollout.evaluate) -> the metric `eval_log` logs it as (the training's data/ counters' names):
+#: a prompt over model.max_prompt_length, one filling the engine's context, pictures that could not be read.
+SKIPPED = {
+    "skipped_long": "eval/skipped_long_prompts",
+    "skipped_context": "eval/skipped_context_prompts",
+    "skipped_bad_images": "eval/skipped_bad_images",
+}
 
 
 def last_evaluation(history: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -42,7 +52,8 @@ def last_evaluation_size(history: list[dict[str, Any]]) -> int | None:
     last = next((h for h in reversed(history) if _count(h.get("eval/n"))), None)
     if last is None:
         return None
-    return int(last["eval/n"]) + sum(int(last[k]) for k in _NOT_ATTEMPTED if _count(last.get(k)))
+    left_out = (*_NOT_ATTEMPTED, *SKIPPED.values())
+    return int(last["eval/n"]) + sum(int(last[k]) for k in left_out if _count(last.get(k)))
 
 
 def _count(v: Any) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from roll_core.errors import ConfigError
+from roll_core.eval_history import SKIPPED
 from roll_core.eval_metrics import UNKNOWN, counted_correct, failure, is_grade, std_error
 from roll_core.interfaces import SamplingParams
 from roll_core.protocol import Batch, build_sequences, pad_left
@@ -407,7 +408,8 @@ def evaluate(
     bypassed the guard gives the same accuracy, never one raised by a fraction: `invalid_correct` counts them (a
     warning says so). `n` (the run's `eval/n`) is
     the problems scored: those whose prompt exceeds `max_prompt_length` (`skipped_long`) or fills the engine's
-    context (`skipped_context`, dropped by `assemble`) are not in it, nor in the accuracy."""
+    context (`skipped_context`, dropped by `assemble`) are not in it, nor in the accuracy, nor those whose pictures
+    could not be read (`skipped_bad_images`, given where the prompts have pictures or some were unreadable)."""
     metrics: dict[str, Any] = {}
     prompts = prompt_batch(tokenizer, task, problems, max_prompt_length, metrics, template_kwargs, processor)
     gen = infer.generate(prompts, params, n=1)
@@ -439,6 +441,8 @@ def evaluate(
         "skipped_long": int(metrics.get("data/skipped_long_prompts", 0)),
         "skipped_context": int(metrics.get("data/skipped_context_prompts", 0)),
     }
+    if "data/skipped_bad_images" in metrics:  # (a text run's evaluation keeps its keys, as its training does)
+        out["skipped_bad_images"] = int(metrics["data/skipped_bad_images"])
     # A row without a domain is grouped as roll-eval groups it (eval_metrics.breakdown: UNKNOWN), so that both
     # name its metrics `eval/unknown/...` (the training's were `eval/None/...`).
     domains = [m.get("domain") for m in batch["metadata"]] if "metadata" in batch else []
@@ -458,14 +462,18 @@ def evaluate(
 
 def eval_log(res: dict[str, Any]) -> dict[str, Any]:
     """The step metrics of an `evaluate` result, as every pipeline logs them: `eval/accuracy` with its standard error
-    over the problems (`eval/accuracy_stderr`, report.md's `± se`), `eval/reward`, `eval/n`, and per domain
-    `eval/<d>/accuracy`, `accuracy_stderr`, `reward`, `n`."""
+    over the problems (`eval/accuracy_stderr`, report.md's `± se`), `eval/reward`, `eval/n`, the held-out problems
+    skipped unscored under the training's names (`eval/skipped_long_prompts`, `eval/skipped_context_prompts`,
+    `eval/skipped_bad_images`: roll_core.eval_history.SKIPPED), and per domain `eval/<d>/accuracy`,
+    `accuracy_stderr`, `reward`, `n`."""
     out: dict[str, Any] = {
         "eval/accuracy": res["accuracy"],
         "eval/accuracy_stderr": res.get("accuracy_stderr"),
         "eval/reward": res["reward"],
         "eval/n": float(res["n"]),
     }
+    # eval/n alone read 6 for 8 held-out problems, 2 of them skipped, as for a held-out set of 6 (report.md too)
+    out.update({name: float(res[key]) for key, name in SKIPPED.items() if key in res})
     for d, m in res.get("by_domain", {}).items():
         for key in ("accuracy", "accuracy_stderr", "reward", "n"):
             out[f"eval/{d}/{key}"] = m.get(key)

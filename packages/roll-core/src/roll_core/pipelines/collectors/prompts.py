@@ -10,7 +10,8 @@ as the asynchronous collector counts them), until the batch is full or `algo.ref
 sampled; the step's counts cover every round (data/sampled_groups, data/dropped_groups, the skips, `reward/rows` and
 the reward's other counters, `perf/rollout_tokens`: response tokens generated), while the reward and length metrics
 describe the first round's unfiltered sample. Scores get the overlong penalty and reward clipping.
-Evaluation: one sample per held-out problem at the eval temperature.
+Evaluation: one sample per held-out problem at the eval temperature; `eval/n` counts the problems scored, and those
+skipped unscored count under the training's names (`eval/skipped_long_prompts`, `eval/skipped_context_prompts`).
 Data counts: the task's bad rows skipped at load and training rows left out as held out (DataCounts,
 roll_core.interfaces.tasks) are in every trained step's data/skipped_rows and data/also_held_out and in the summary;
 held-out rows neither trained on nor evaluated in data/unused_held_out and the summary's `unused_held_out`: the
@@ -180,8 +181,9 @@ class PromptCollector:
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy: one sample per held-out problem at the eval temperature, a failed one (refused by the
         engine, or the reward failed on it) counted wrong as roll-eval counts it, with `eval/accuracy_stderr` (its
-        standard error over the problems, None for fewer than two); `eval/n`: the problems scored
-        (not those skipped for a prompt over model.max_prompt_length or one filling the engine's context)."""
+        standard error over the problems, None for fewer than two); `eval/n`: the problems scored, not those skipped
+        for a prompt over model.max_prompt_length or one filling the engine's context, which count in
+        `eval/skipped_long_prompts` and `eval/skipped_context_prompts` (rollout.eval_log)."""
         t0 = time.perf_counter()
         if self.reward_model is not None:  # an earlier evaluation's (the distill teacher's) are not this one's
             self.reward_model.take_eval_metrics()
