@@ -63,6 +63,13 @@ def test_a_run_whose_only_save_did_not_finish_says_so(tmp_path: Path) -> None:
     assert _refusal(m.root.parent, tmp_path).endswith("(only a save that did not finish: step_000003.tmp)")
 
 
+def test_a_checkpoints_folder_whose_only_save_did_not_finish_says_so(tmp_path: Path) -> None:
+    """It said "no checkpoints/step_N folder with a state.json", looking for a checkpoints/ inside checkpoints/."""
+    m = CheckpointManager(tmp_path / "killed")
+    m.staging(3)
+    assert _refusal(m.root, tmp_path).endswith("(only a save that did not finish: step_000003.tmp)")
+
+
 def test_a_run_folder_and_a_step_folder_are_still_taken(run: CheckpointManager, tmp_path: Path) -> None:
     assert resolve_run_folder(tmp_path / "new", False, str(run.root.parent), "exp") == run.root.parent
     step = run.root / "step_000001"

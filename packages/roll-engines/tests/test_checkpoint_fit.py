@@ -176,3 +176,76 @@ def test_a_checkpoint_without_the_role_says_so(make_engine, hf_checkpoint: Path)
     assert f"{critic}: no such folder; the checkpoint {hf_checkpoint.parent} holds actor/" in message
     assert "without this critic" in message and "weights-only" not in message
     assert f"model.path={hf_checkpoint / 'model'}" in message
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model's layout but for two key/value heads: its k_proj and v_proj are half the tiny model's."""
+    from roll_core.models import build_tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "gqa"
+    build_tiny_model(path, kv_heads=2)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["hf", "fsdp2"])
+def test_a_checkpoint_of_another_model_shape_names_its_folder(
+    make_engine, hf_checkpoint: Path, gqa: str, kind: str
+) -> None:
+    """A resume whose model.path now builds another shape (an older roll's checkpoint records no config to compare):
+    the mismatch said "checkpoint mismatch: shapes [...]" and nothing of which folder (or role) did not fit."""
+    from roll_engines.train.fsdp2 import FSDP2TrainEngine
+    from roll_engines.train.hf import HFTrainEngine
+
+    settings = {"lr": 1e-2, "micro_batch_size": 3, "name": kind}
+    engine = (
+        FSDP2TrainEngine(gqa, dist_backend="gloo", **settings) if kind == "fsdp2" else HFTrainEngine(gqa, **settings)
+    )
+    try:
+        before = _weights(engine)
+        with pytest.raises(RuntimeError) as refused:
+            engine.load(hf_checkpoint)
+    finally:
+        engine.shutdown()
+    message = str(refused.value)
+    assert message.startswith(
+        f"{hf_checkpoint / 'model'} does not fit this engine's model ({gqa}): checkpoint mismatch"
+    )
+    assert "model.layers.0.self_attn.k_proj.weight (64, 64) for (32, 64)" in message
+    _unchanged(engine, before)
+
+
+@pytest.mark.parametrize("kind", ["hf", "fsdp2"])
+def test_a_lora_checkpoint_with_other_targets_names_them(make_engine, lora_checkpoint: Path, kind: str) -> None:
+    """Same rank and alpha, fewer adapted layers: peft's "adapter checkpoint mismatch: unexpected [...]" named
+    neither the folder nor the setting that differs."""
+    engine = make_engine(kind, lora_rank=4, lora_alpha=8.0, lora_target_modules=["q_proj"])
+    before = _weights(engine)
+    with pytest.raises(RuntimeError) as refused:
+        engine.load(lora_checkpoint)
+    message = str(refused.value)
+    assert message.startswith(f"{lora_checkpoint / 'adapter'} does not fit this engine's model")
+    assert "adapter checkpoint mismatch: unexpected" in message
+    saved = "saved model.layers.0.mlp.down_proj, model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj, "
+    assert f"it was saved with other target modules (train_engine.lora_target_modules): {saved}" in message
+    assert "... (14 in all); this run q_proj. Resume with the saved lora_target_modules" in message
+    _unchanged(engine, before)
+
+
+def test_a_checkpoint_with_fewer_critics_names_num_critics(make_engine, hf_checkpoint: Path, tmp_path: Path) -> None:
+    """AsyPPO's second critic resumed from a checkpoint of one critic: not "a run without this critic"."""
+    step = tmp_path / "step_000001"
+    shutil.copytree(hf_checkpoint, step / "critic")
+    engine = make_engine("hf", role="critic")
+    with pytest.raises(FileNotFoundError) as refused:
+        engine.load(step / "critic_1")
+    message = str(refused.value)
+    assert f"{step / 'critic_1'}: no such folder; the checkpoint {step} holds critic/: it was saved with " in message
+    assert "algo.num_critics=1, and this run has more critics" in message and "without this" not in message
+
+
+def test_a_missing_checkpoint_says_so_alone(make_engine, tmp_path: Path) -> None:
+    """No step folder at all (a direct load of a mistyped path): not "a run without this actor"."""
+    with pytest.raises(FileNotFoundError) as refused:
+        make_engine("hf").load(tmp_path / "typo" / "actor")
+    assert str(refused.value) == f"{tmp_path / 'typo' / 'actor'}: no such folder (nor {tmp_path / 'typo'})"

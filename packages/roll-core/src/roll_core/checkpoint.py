@@ -259,7 +259,9 @@ def not_a_run_hint(folder: str | Path) -> str:
                 f"it lies inside the checkpoint {inside}: pipeline.resume_from={inside} resumes from it; to start a "
                 f"new run from its weights: model.path={inside / 'actor' / 'model'}"
             )
-    unfinished = sorted(p.name for p in (folder / "checkpoints").glob("step_*.tmp"))
+    # (the run's checkpoints/ folder itself named: its own unfinished saves, not those of a checkpoints/ inside it)
+    saves = folder if folder.name == "checkpoints" else folder / "checkpoints"
+    unfinished = sorted(p.name for p in saves.glob("step_*.tmp"))
     if unfinished:
         return f"only a save that did not finish: {', '.join(unfinished)}"
     return "no checkpoints/step_N folder with a state.json"

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from roll_core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: Keys that cannot change within a run (fnmatch patterns over dotted keys): the checkpoint's weights, sampler
 #: position and advantage statistics are meaningless under other values.
@@ -221,8 +224,38 @@ def check_checkpoint(folder: str | Path, current: Any) -> list[str]:
 
     saved = CheckpointManager.read_config(Path(folder))
     if saved is None:
+        # Nothing refuses another algorithm here: a PPO checkpoint resumed as GRPO dropped its critic with only
+        # this INFO line, and the engines cannot see a folder no role loads.
+        now = config_dict(current)
+        unloaded = _critics_not_loaded(Path(folder), now)
+        if unloaded:
+            log.warning(
+                "%s records no config (saved by an older roll) and holds %s, which this run does not load (its "
+                "algo.adv_estimator=%s, algo.num_critics=%s): the saved critic state is dropped and the run goes "
+                "on without it. Resume with the saved algorithm (algo.adv_estimator=gae, as many critics) to keep it",
+                folder,
+                ", ".join(f"{n}/" for n in unloaded),
+                _lookup(now, "algo.adv_estimator"),
+                _lookup(now, "algo.num_critics"),
+            )
         return [f"{folder} records no config (saved by an older roll): the settings were not compared"]
     return check_resume(saved, config_dict(current), where=str(folder))
+
+
+def _critics_not_loaded(folder: Path, current: Mapping[str, Any]) -> list[str]:
+    """The critic folders (`critic/`, AsyPPO's `critic_1/`, ...) checkpoint `folder` holds that a run of config
+    `current` does not load (roll_core.pipelines.trainer restores `critic`, `critic_1`, ... up to algo.num_critics,
+    for algo.adv_estimator=gae only). A config without `algo` is not judged: []. With a recorded config the fixed
+    algo.adv_estimator and algo.num_critics refuse this change instead."""
+    import re
+
+    algo = current.get("algo")
+    if not isinstance(algo, Mapping) or not folder.is_dir():
+        return []
+    count = int(algo.get("num_critics") or 1) if algo.get("adv_estimator") == "gae" else 0
+    loaded = {"critic" if m == 0 else f"critic_{m}" for m in range(count)}
+    held = (p.name for p in folder.iterdir() if p.is_dir() and re.fullmatch(r"critic(_\d+)?", p.name))
+    return sorted((n for n in held if n not in loaded), key=lambda n: (len(n), n))
 
 
 _ENGINE_KIND = ("train_engine._target_", "train_engine.name")

@@ -4,8 +4,9 @@
 what it holds, what this engine is and the ways on (resume with the settings that saved it, or start a new run from
 its weights: `model.path=<folder>/model`, an HF folder every engine writes), for a folder this engine cannot load:
 
-- none at all: a checkpoint saved by a run without this role (a GRPO checkpoint holds no `critic/`); it said the
-  folder "has no optimizer checkpoint: it is a weights-only folder";
+- none at all: a checkpoint saved by a run without this role (a GRPO checkpoint holds no `critic/`) or with fewer
+  critics (AsyPPO's `critic_1/`: algo.num_critics); it said the folder "has no optimizer checkpoint: it is a
+  weights-only folder";
 - the `megatron` engine's (`megatron_written`: `optimizer/` a Megatron distributed checkpoint, no `engine.pt`), as
   the Megatron engine refuses an hf-family one (roll_engines.train.megatron._checkpoint.read_optimizer); it failed
   on the missing `engine.pt` with a bare FileNotFoundError;
@@ -23,6 +24,7 @@ each rank checks the folder it was given (the engines raise a failure on every r
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 
@@ -32,14 +34,7 @@ def refuse_unfit(folder: Path, engine: str, role: str, lora_rank: int, trains: b
     `trains` whether it has an optimizer (and so needs the checkpoint's)."""
     weights = f"model.path={folder / 'model'}"
     if not folder.is_dir():
-        policy = folder.parent / "actor" / "model"
-        held = sorted(p.name for p in folder.parent.iterdir() if p.is_dir()) if folder.parent.is_dir() else []
-        raise FileNotFoundError(
-            f"{folder}: no such folder; the checkpoint {folder.parent} holds "
-            f"{', '.join(f'{n}/' for n in held) or 'no engine folder'}: it was saved by a run without this {role} "
-            "(another algorithm: a critic is trained for algo.adv_estimator=gae only). Resume with the settings "
-            f"it was saved with, or start a new run from its policy's weights (model.path={policy})"
-        )
+        raise FileNotFoundError(_no_role_folder(folder, role))
     if trains and not (folder / "engine.pt").is_file() and megatron_written(folder):
         raise ValueError(
             f"{folder} is a checkpoint of train_engine=megatron, not of train_engine={engine}: its optimizer/ is a "
@@ -63,6 +58,25 @@ def refuse_unfit(folder: Path, engine: str, role: str, lora_rank: int, trains: b
             f"train_engine.lora_rank={saved} (and the saved lora_alpha), or start a new run from its merged weights "
             f"({weights})"
         )
+
+
+def _no_role_folder(folder: Path, role: str) -> str:
+    """Why checkpoint `folder` (a step's `actor/`, `critic/`, `critic_1/`) is not there, from what its step holds."""
+    if not folder.parent.is_dir():
+        return f"{folder}: no such folder (nor {folder.parent})"
+    held = sorted(p.name for p in folder.parent.iterdir() if p.is_dir())
+    critics = [n for n in held if re.fullmatch(r"critic(_\d+)?", n)]
+    if re.fullmatch(r"critic_\d+", folder.name) and critics:
+        # AsyPPO's further critics: the checkpoint has fewer of them, not none
+        why = f"it was saved with algo.num_critics={len(critics)}, and this run has more critics"
+    else:
+        why = f"it was saved by a run without this {role} (another algorithm: a critic is trained for "
+        why += "algo.adv_estimator=gae only)"
+    return (
+        f"{folder}: no such folder; the checkpoint {folder.parent} holds "
+        f"{', '.join(f'{n}/' for n in held) or 'no engine folder'}: {why}. Resume with the settings it was saved "
+        f"with, or start a new run from its policy's weights (model.path={folder.parent / 'actor' / 'model'})"
+    )
 
 
 def megatron_written(folder: Path) -> bool:

@@ -215,7 +215,8 @@ class HFWeightsAndCheckpoints:
         self._on_every_rank(fit, f"checking {folder}")
         if not self.lora:  # (LoRA: the base stays what model_path holds; only the adapter was trained)
             weights = self._on_every_rank(lambda: self._read_weights(folder / "model"), f"reading {folder / 'model'}")
-            self._check_full_weights(weights)
+            with _naming(folder / "model", self.path):
+                self._check_full_weights(weights)
         if self.optimizer is not None:
             small = self._on_every_rank(lambda: _read_engine_state(folder), f"reading {folder / 'engine.pt'}")
             # The position in this run's plan, re-based when a training step now takes another number of optimizer
@@ -231,7 +232,8 @@ class HFWeightsAndCheckpoints:
         fresh = self.optimizer is not None and not self.optimizer.state  # (before the read primes it)
         with _restored_on_failure(trained):
             if self.lora:
-                self._load_adapter(folder / "adapter")
+                with _naming(folder / "adapter", self.path, lambda: _targets_differ(folder / "adapter", self.model)):
+                    self._load_adapter(folder / "adapter")
             if self.optimizer is None:
                 if weights is not None:
                     self._load_full_weights(weights, checked=True)
@@ -342,6 +344,44 @@ def _config_as_loaded(model: torch.nn.Module, use_cache: bool | None) -> Iterato
         yield
     finally:
         config.use_cache = False
+
+
+@contextlib.contextmanager
+def _naming(path: Path, model_path: str, why: Callable[[], str | None] = lambda: None) -> Iterator[None]:
+    """A RuntimeError of the body (a checkpoint's tensors that do not fit the model: `mismatch`, peft's
+    `set_adapter`) raised again naming the checkpoint's `path`, the model this engine built (`model_path`) and `why`
+    (a cause read off the folder), where it names neither: "checkpoint mismatch: shapes [...]" said nothing of which
+    folder, or which of a run's roles, did not fit."""
+    try:
+        yield
+    except RuntimeError as e:
+        if type(e) is not RuntimeError or str(path) in str(e):
+            raise
+        cause = why()
+        raise RuntimeError(
+            f"{path} does not fit this engine's model ({model_path}): {e}" + (f"; {cause}" if cause else "")
+        ) from e
+
+
+def _targets_differ(adapter: Path, model: torch.nn.Module) -> str | None:
+    """How the layers a saved adapter (`adapter/adapter_config.json`) adapts differ from those `model`'s adapter
+    does (train_engine.lora_target_modules), or None where they agree or cannot be read (local)."""
+    import json
+
+    try:
+        saved = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+        ours = model.peft_config[ADAPTER].target_modules
+        saved, ours = ({t} if isinstance(t, str) else set(t) for t in (saved, ours))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (never in place of the error it explains)
+        return None
+    if saved == ours:
+        return None
+    # (names or suffixes or a pattern, as each run's peft config holds them: shown, not matched against each other)
+    shown = lambda t: ", ".join(sorted(t)[:4]) + (f", ... ({len(t)} in all)" if len(t) > 4 else "")
+    return (
+        f"it was saved with other target modules (train_engine.lora_target_modules): saved {shown(saved)}; this "
+        f"run {shown(ours)}. Resume with the saved lora_target_modules"
+    )
 
 
 @contextlib.contextmanager
