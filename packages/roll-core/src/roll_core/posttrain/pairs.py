@@ -18,6 +18,9 @@ different messages, as in an implicit prompt ending on an assistant message). Me
 ShareGPT's form (`{"from", "value"}`) are read as the SFT rows' are (roll_core.posttrain.row_values), also where
 they are compared with the prompt (a text prompt inside ShareGPT conversations was a `prompt_not_in_conversation`
 skip; a message-list prompt was rendered a second time before them).
+Text sides without a prompt column are a counted `no_prompt` skip naming the column (they were `wrong_type`,
+"must be a list of messages"): TRL's implicit-prompt text form (a shared text prefix) is not split, a character
+prefix being no prompt boundary ("The answer is 4" of "...42" / "...41").
 A pair whose two responses differ only in whitespace or in trailing special tokens (an end-of-turn, eos) is a
 `same_response` skip as identical responses are (`_same`: roll_core.near_duplicates' whitespace rule, `loose_text`,
 over the decoded responses and over their trained tokens): it has next to no preference signal. So is a pair
@@ -60,6 +63,12 @@ from roll_core.posttrain.rows import RawRow, SkipRow, Skips
 from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow
 
 PREFERENCE_FORMATS = ("preference", "rollout")
+#: The `no_prompt` skip of text sides without a prompt column (`parse_preference`).
+_TEXT_WITHOUT_PROMPT = (
+    "no {p!r} beside text {c!r}/{r!r}: text answers need their prompt in the {p!r} column (data.prompt_key names "
+    "it); only message lists carry an implicit prompt (a shared text prefix, as in TRL's implicit-prompt text "
+    "rows such as Anthropic HH's transcripts, is not split into a prompt and answers)"
+)
 
 
 @dataclass
@@ -82,6 +91,10 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
     row = raw.row
     chosen, rejected = need(row, cfg.chosen_key), need(row, cfg.rejected_key)
     prompt = row.get(cfg.prompt_key)
+    if prompt is None and (isinstance(chosen, str) or isinstance(rejected, str)):
+        # Said as such: it was a `wrong_type` skip, "'chosen' must be a non-empty list of messages", which hid the
+        # missing prompt column (a misnamed data.prompt_key, or TRL's implicit-prompt text form).
+        raise SkipRow("no_prompt", _TEXT_WITHOUT_PROMPT.format(p=cfg.prompt_key, c=cfg.chosen_key, r=cfg.rejected_key))
     if prompt is None or _hold_prompt(prompt, chosen, rejected, cfg):
         prompt, chosen, rejected = _implicit_prompt(chosen, rejected, cfg)
     # text without a template only when every part is text: a message-list side takes the template, and so does the

@@ -78,10 +78,12 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def need(row: Mapping[str, Any], key: str) -> Any:
-    """row[key], or a `missing_field` skip."""
+    """row[key], or a `missing_field` skip (the column absent, or null)."""
     value = row.get(key)
     if value is None:
-        raise SkipRow("missing_field", f"no {key!r} (the row has {sorted(row)[:10]})")
+        # a null said as null: "no 'chosen' (the row has ['chosen', ...])" contradicted itself
+        what = f"{key!r} is null" if key in row else f"no {key!r}"
+        raise SkipRow("missing_field", f"{what} (the row has {sorted(row)[:10]})")
     return value
 
 
