@@ -23,7 +23,11 @@ Row forms (`detect_format` picks one per file from its columns, or `data.format`
 Chat layout (roll_core.posttrain.chat_encoder, `ChatEncoder`): the same an agentic RL trajectory has, so SFT
 trains exactly what sampling produces; mask 1 covers exactly the trained assistant turns and their end-of-turn
 tokens, and a turn or prompt the template does not render as the row gives it is a counted skip (each skip is
-named there). Blank text of a prompt, completion or preference response is skipped (`empty`) too.
+named there). Blank text of a prompt, completion or preference response is skipped (`empty`) too, and so is an
+SFT / distillation row's trained assistant turn with nothing after its `</think>` and no tool call (Qwen3's empty
+think block `<think>\\n\\n</think>\\n\\n` given as the text, or reasoning without an answer): trained, the model
+learns to end its turn after thinking, without answering (preference rows keep such a response: a rejected one
+is a lesson to unlearn).
 
 Ids after a context (`encode_after`): text is tokenised together with the text before it and the context's own ids
 are taken off, when they are a prefix of the whole's (else, where BPE merges across the boundary, on its own: the ids
@@ -195,6 +199,22 @@ def _leading_specials(with_specials: list[int], text_ids: list[int]) -> list[int
     return None
 
 
+def _check_answers(messages: list[dict[str, Any]], trained: list[bool]) -> None:
+    """An `empty` skip for a trained assistant turn that reasons and then says nothing: blank text after its last
+    `</think>` and no tool call (see the module doc). Text without `</think>` is left to the chat encoder's blank
+    check: a `<think>` alone may be a word of an answer."""
+    for i, (m, train) in enumerate(zip(messages, trained, strict=True)):
+        content = m.get("content")
+        if m["role"] != "assistant" or not train or m.get("tool_calls") or not isinstance(content, str):
+            continue
+        if "</think>" in content and not content.rpartition("</think>")[2].strip():
+            raise SkipRow(
+                "empty",
+                f"assistant message {i} to train has nothing after its </think> (no answer, no tool call): "
+                f"{content[-60:]!r}",
+            )
+
+
 class SFTTokenizer:
     """SFT (and distillation) rows of one form to `TokenRow`s, with the length limits applied."""
 
@@ -241,6 +261,7 @@ class SFTTokenizer:
         if form == "messages":
             messages = row_messages(row, cfg.messages_key)
             trained = [train_flag(m) for m in messages]
+            _check_answers(messages, trained)
             return self.chat_row(messages, trained, row.get("tools"))
         if form == "prompt_completion":
             prompt, completion = need(row, cfg.prompt_key), need(row, cfg.completion_key)
@@ -249,6 +270,7 @@ class SFTTokenizer:
             p = self.as_messages(prompt, cfg.prompt_key, "user")
             c = self.as_messages(completion, cfg.completion_key, "assistant")
             trained = [False] * len(p) + [train_flag(m) for m in c]
+            _check_answers(p + c, trained)
             return self.chat_row(p + c, trained, row.get("tools"))
         raise ValueError(f"not an SFT row form: {form!r} (one of {', '.join(SFT_FORMATS)})")
 
