@@ -100,7 +100,9 @@ class AlgoConfig:
     # Where KL acts: false adds coef*KL to the loss; true subtracts it from the token reward (needs kl_coef > 0,
     # but with adv_estimator=reinforce_pp, whose preset switches its KL off with kl_coef=0).
     kl_in_reward: bool = False
-    # Target KL for the adaptive controller (PPO-style); null keeps kl_coef fixed.
+    # Target KL for the adaptive controller (PPO-style); null keeps kl_coef fixed. It is compared with
+    # actor/kl_to_ref, the token-weighted mean over the batch's response tokens (verl and OpenRLHF average each
+    # sequence first: with responses of varied lengths the same target reads a little differently).
     kl_target: float | None = None
     # Horizon (samples) of the adaptive KL controller.
     kl_horizon: int = 10000
