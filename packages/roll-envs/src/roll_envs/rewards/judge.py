@@ -51,10 +51,17 @@ that no label reaches is a ConfigError. `formatted` is 1 where the judge gave a 
 Backends (roll_envs.rewards.judge_backends): `openai`, any OpenAI-compatible chat-completions server (vLLM, SGLang,
 a hosted API, roll's own endpoint) over aiohttp, with a concurrency limit, per-request timeouts and retries on
 429/5xx; `engine`, a rollout engine of the reward worker's own (any installed `roll.infer_engines` plugin, built
-lazily on the first score, greedy by default). A GPU judge engine needs `pipeline.reward_isolation=inline`: the
-default runs rewards in a forked child, where CUDA fails once the worker has initialised it before the fork, and a
-child cut off by the guard takes its engine with it (the next child loads the model again). On CPU the default
-works: the engine is built in the child, the worker itself never loads it.
+lazily on the first score, greedy by default). A judge model whose chat template opens `<think>` in its
+generation header (DeepSeek-R1 distills, QwQ, Qwen3 Thinking-2507) replies without the opening tag: the `engine`
+backend puts it back (a reply cut off while reasoning is truncated, not graded by a score its reasoning names);
+an `openai` server renders the prompt itself, so serve such a judge with its reasoning parser (vLLM's
+`--reasoning-parser`: the reply's content is then the verdict alone, none when cut off while thinking). `extra_body`
+may not hold `n` (several samples: only one reply is read, none are aggregated), `stream`, `messages` or a field of
+the judge's own settings (`temperature`, `max_tokens`, `model`, `chat_template_kwargs`): ConfigErrors. A GPU judge
+engine needs `pipeline.reward_isolation=inline`: the default runs rewards in a forked child, where CUDA fails once
+the worker has initialised it before the fork, and a child cut off by the guard takes its engine with it (the next
+child loads the model again). On CPU the default works: the engine is built in the child, the worker itself never
+loads it.
 
 One request per distinct conversation: rows whose rendered messages are identical (the same prompt, answer text,
 reference answer and metadata the template names; a GRPO group repeats responses when the policy is sharp, and two
@@ -168,7 +175,8 @@ class JudgeRewardConfig:
     max_tokens: int = 512
     # Sampling temperature of the judge (0: greedy).
     temperature: float = 0.0
-    # openai: extra JSON fields of every request (e.g. +env.reward.extra_body.seed=0).
+    # openai: extra JSON fields of every request (e.g. +env.reward.extra_body.seed=0); not n, stream, messages or
+    # a field set above (temperature, max_tokens, model, chat_template_kwargs).
     extra_body: dict[str, Any] = field(default_factory=dict)
     # Keyword arguments of the judge's chat template (e.g. {enable_thinking: false}); openai: sent as
     # chat_template_kwargs (vLLM and SGLang servers read it).
@@ -218,12 +226,34 @@ def _check_settings(s: Mapping[str, Any]) -> None:
         raise ConfigError(f"env.reward.temperature={s['temperature']} must be >= 0 (0: greedy)")
     if not math.isfinite(s["invalid_score"]):
         raise ConfigError(f"env.reward.invalid_score={s['invalid_score']} must be a finite number")
+    _check_extra_body(s.get("extra_body") or {})
     if s.get("special_tokens") and s["backend"] != "openai":
         raise ConfigError("env.reward.special_tokens is for backend=openai (the engine uses its tokenizer's own)")
     try:
         SpecialSpellings(s.get("special_tokens") or ())
     except ValueError as exc:
         raise ConfigError(f"env.reward.special_tokens: {exc}") from None
+
+
+#: extra_body keys the backend's own settings send (an extra copy overrode them, or `messages`, silently).
+_OWN_KEYS = ("model", "max_tokens", "temperature", "chat_template_kwargs", "messages")
+
+
+def _check_extra_body(extra: Mapping[str, Any]) -> None:
+    """ConfigErrors for extra_body fields that change what a reply is: several choices (`n`: only the first was
+    read, the others silently dropped, no aggregation), a stream (no JSON body: every row an error), or a field
+    the judge's own settings send."""
+    for key in _OWN_KEYS:
+        if key in extra:
+            where = "the judge's template writes them" if key == "messages" else f"set env.reward.{key} instead"
+            raise ConfigError(f"env.reward.extra_body.{key}: {where}")
+    if extra.get("n", 1) != 1:
+        raise ConfigError(
+            f"env.reward.extra_body.n={extra['n']}: the judge reads one reply per request (several samples are not "
+            "aggregated); leave n out"
+        )
+    if extra.get("stream"):
+        raise ConfigError("env.reward.extra_body.stream: the judge reads one JSON reply per request; leave it out")
 
 
 class JudgeReward(Reward):

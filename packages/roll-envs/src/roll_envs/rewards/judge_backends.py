@@ -40,6 +40,10 @@ special. Called by the reward on each field before the template is filled (roll_
   messages with each field written as `FIELD`, rendered with the judge model's chat template: the chat template's
   framing, e.g. a non-thinking header's `<think></think>`, and the judge template's and system prompt's own added
   tokens; turn_text.framing_tokens): a judged field spelling one gets its text ids, the judge's own text its id.
+  A judge model whose generation header opens `<think>` (DeepSeek-R1 distills, QwQ, Qwen3 Thinking-2507: the
+  judge's rendered text after its last judged field leaves the block open) replies inside the block, without the
+  tag: its reply is `<think>` + the text (roll_core.thinking.reply_text), so a reply cut off while reasoning is no
+  verdict (it was read whole: a `Score: 3` of its unfinished reasoning was the row's score).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from typing import Any, Protocol
 from roll_core.agentic.turn_text import SpecialText, framing_tokens
 from roll_core.errors import ConfigError
 from roll_core.interfaces.runtime import check_engine_kwargs
+from roll_core.thinking import THINK_CLOSE, THINK_OPEN, reply_text
 from roll_envs.rewards._special_spellings import SpecialSpellings
 
 Messages = list[dict[str, str]]
@@ -310,6 +315,7 @@ class EngineBackend:
         self._engine: Any = None
         self._tokenizer: Any = None
         self._special: SpecialText | None = None
+        self._opens_think = False  # the judge's generation header opens <think> (read with the tokenizer)
         self._pid: int | None = None
         self._ids = itertools.count()
         self._lock = threading.Lock()  # two threads scoring at once build one engine
@@ -351,7 +357,12 @@ class EngineBackend:
             )
             if not getattr(tok, "chat_template", None):
                 raise ConfigError(f"env.reward.model={self.model}: the judge model's tokenizer has no chat template")
-            self._tokenizer, self._special = tok, SpecialText(tok, framing_tokens(tok, self._framing_probe(tok)))
+            pieces = self._framing_probe(tok)
+            # A generation header that opens <think> (R1 distills, QwQ, Qwen3 Thinking-2507): the reply starts
+            # inside the block and carries no opening tag (module docstring). Read from the judge's own text after
+            # its last judged field, never from a field's.
+            self._opens_think = _leaves_open(pieces[-1])
+            self._tokenizer, self._special = tok, SpecialText(tok, framing_tokens(tok, pieces))
         return self._special
 
     def _framing_probe(self, tok: Any) -> list[str]:
@@ -426,7 +437,7 @@ class EngineBackend:
             if out.finish_reason in ("abort", "prompt_too_long"):
                 replies[i] = Reply("error", detail=f"judge request ended: {out.finish_reason}")
             else:
-                text = self._tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                text = reply_text(self._tokenizer.decode(out.token_ids, skip_special_tokens=True), self._opens_think)
                 replies[i] = Reply("ok", text=text, truncated=out.finish_reason == "length")
         return [r if r is not None else Reply("error", detail="no reply") for r in replies]
 
@@ -437,6 +448,12 @@ class EngineBackend:
             if self._engine is not None and self._pid == os.getpid():
                 self._engine.shutdown()
             self._engine = None
+
+
+def _leaves_open(text: str) -> bool:
+    """Whether `text`'s last `<think>` is not closed after it (a generation header that opens the block)."""
+    at = text.rfind(THINK_OPEN)
+    return at >= 0 and THINK_CLOSE not in text[at:]
 
 
 def _accepted(cls: Any) -> frozenset[str]:
