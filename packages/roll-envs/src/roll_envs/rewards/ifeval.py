@@ -46,11 +46,12 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
   neither).
 - *starts_with* / *ends_with*: the response, stripped of surrounding whitespace (and, as IFEval's end check does,
   of the double quotes around it: `"... That is all."` ends with "That is all", so quotation and ends_with can
-  both be met), begins (ends) with the phrase, case-insensitive, and the match is whole words ("Sure" is not met
-  by "Surely"); a run of whitespace, line breaks included, reads as one space on both sides ("My  answer is" starts
-  with "My answer is"). For ends_with, trailing sentence-ending punctuation (the `.`, `!`, `?`, `…`, `।`, `॥`,
-  `؟`, `。`, `！` and `？` that end a sentence) is ignored on both sides ("that is all." ends with "That is all",
-  "谢谢。" with "谢谢"); anything else after the phrase (a `)`, an emoji) is not: the answer must end with it.
+  both be met), begins (ends) with the phrase, case-insensitive, and the match is whole words as *word* reads
+  them ("Sure" is not met by "Surely", "Don" not by "Don't", "all" not by "over-all"); a run of whitespace, line
+  breaks included, reads as one space on both sides ("My  answer is" starts with "My answer is"). For ends_with,
+  trailing sentence-ending punctuation (the `.`, `!`, `?`, `…`, `।`, `॥`, `؟`, `。`, `！` and `？` that end a
+  sentence) is ignored on both sides ("that is all." ends with "That is all", "谢谢。" with "谢谢"); anything
+  else after the phrase (a `)`, an emoji) is not: the answer must end with it.
 - Text is compared in Unicode's composed form (NFC): a keyword "café" typed with a combining accent is the same
   word as the precomposed one.
 - *no_commas*: no comma of any script: no punctuation mark (Unicode category Po) that Unicode names a comma:
@@ -153,9 +154,10 @@ def count_phrase(text: str, phrase: str) -> int:
     the text matches a space of the phrase)."""
     text, phrase = _fold(text), _fold(phrase)
     body = r"\s+".join(re.escape(part) for part in phrase.split())
-    # Words as `words` reads them: "well-known" and "don't" are one word, so "known" is not in "well-known".
-    before = rf"(?<![^\W_])(?<!{_M})(?<![^\W_]['’-])(?<!{_M}['’-])"
-    after = rf"(?![^\W_])(?!{_M})(?!['’-][^\W_])"
+    # Words as `words` reads them: "well-known", "don't" and "3.14" are one word, so "known" is not in
+    # "well-known" nor "3" in "3.14".
+    before = rf"(?<![^\W_])(?<!{_M})(?<![^\W_]['’-])(?<!{_M}['’-])(?!(?<=\d[.,])\d)"
+    after = rf"(?![^\W_])(?!{_M})(?!['’-][^\W_])(?!(?<=\d)[.,]\d)"
     return len(re.findall(before + body + after, text, re.IGNORECASE))
 
 
@@ -249,6 +251,23 @@ def _word_char(ch: str) -> bool:
     return ch.isalnum() or unicodedata.category(ch).startswith("M")
 
 
+def _joiner(text: str, j: int) -> bool:
+    """Whether `text[j]` joins two parts of one word as `words` reads it ("don't", "well-known", "3.14")."""
+    if not 0 < j < len(text) - 1:
+        return False
+    if text[j] in "'’-":
+        return _word_char(text[j - 1]) and text[j + 1].isalnum()
+    return text[j] in ".," and text[j - 1].isdecimal() and text[j + 1].isdecimal()
+
+
+def _inside_word(text: str, k: int) -> bool:
+    """Whether the cut before `text[k]` falls inside one word (module docstring): "Don" is not the first word of
+    "Don't", nor "all" the last of "over-all", as keywords read them."""
+    return 0 < k < len(text) and (
+        (_word_char(text[k - 1]) and _word_char(text[k])) or _joiner(text, k) or _joiner(text, k - 1)
+    )
+
+
 def _fold(text: str) -> str:
     """`text` composed (NFC) and fully case-folded ("ß" is "ss", as "STRASSE" is). Folding turns "İ" into "i" and
     a combining dot, which would keep "İstanbul" from matching "istanbul": that dot is dropped (an "i" has one)."""
@@ -268,10 +287,9 @@ def _bodies(response: str) -> set[str]:
 
 def _starts(response: str, phrase: str) -> bool:
     phrase = _folded(phrase)
-    n = len(phrase)  # whole words: the phrase may not end inside a word of the text ("Sure" vs "Surely")
+    # Whole words: the phrase may not end inside a word of the text ("Sure" vs "Surely", "Don" vs "Don't").
     return bool(phrase) and any(
-        text.startswith(phrase) and (n == len(text) or not (_word_char(text[n - 1]) and _word_char(text[n])))
-        for text in _bodies(response)
+        text.startswith(phrase) and not _inside_word(text, len(phrase)) for text in _bodies(response)
     )
 
 
@@ -279,10 +297,8 @@ def _ends(response: str, phrase: str) -> bool:
     phrase = _folded(phrase).rstrip(_TRAILING_STOPS).rstrip()
     for text in _bodies(response):
         text = text.rstrip(_TRAILING_STOPS).rstrip()
-        start = len(text) - len(phrase)
-        if phrase and text.endswith(phrase):
-            if start == 0 or not (_word_char(text[start - 1]) and _word_char(text[start])):
-                return True
+        if phrase and text.endswith(phrase) and not _inside_word(text, len(text) - len(phrase)):
+            return True
     return False
 
 
