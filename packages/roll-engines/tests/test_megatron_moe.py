@@ -110,5 +110,5 @@ def test_layouts_the_mapping_cannot_express_are_refused() -> None:
         check_supported(Qwen2MoeConfig(num_experts=4, decoder_sparse_step=2, **small), 1, 1)
     with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\]"):
         check_supported(Qwen2MoeConfig(num_experts=4, mlp_only_layers=[1], **small), 1, 1)
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        check_supported(Qwen2Config(use_sliding_window=True, **small), 1, 1)
+    with pytest.raises(ValueError, match="sliding-window attention"):  # (layers from max_window_layers on slide)
+        check_supported(Qwen2Config(use_sliding_window=True, max_window_layers=0, **small), 1, 1)

@@ -221,6 +221,20 @@ class MegatronTrainEngineConfig(TrainEngineConfig):
         """Optional packages this engine needs (roll_core.errors.check_installed); LoRA is Megatron's own."""
         MEGATRON.require()
 
+    def check_model(self, model_path: str) -> None:
+        """ConfigError for a model roll's Megatron mapping cannot convert at this layout, from the folder's
+        config.json alone, before any worker starts (the engine's set-up checks the same: _supported)."""
+        from roll_engines.train.megatron._supported import check_model_folder
+
+        check_model_folder(
+            model_path,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.expert_model_parallel_size,
+            self.sequence_parallel,
+            self.context_parallel_size,
+        )
+
     def parallel_sizes(self) -> dict[str, int]:
         """TP, PP and CP of one replica: data splits over the remaining data-parallel ranks."""
         return {"tp": self.tensor_parallel_size, "pp": self.pipeline_parallel_size, "cp": self.context_parallel_size}

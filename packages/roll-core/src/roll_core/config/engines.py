@@ -3,10 +3,11 @@
 Contract: every training or inference engine's schema (roll_engines.config, out-of-tree plugins) extends one of
 these dataclasses; the root config (roll_core.config.schema.RLVRConfig) types `train_engine`/`infer_engine` by them,
 so the pipeline reads these fields typed whatever engine is installed. `__post_init__` refuses bad values with the
-key's name; `resolve_sleep_level` fills the run-dependent default of `infer_engine.sleep_level`, and
-`refuse_sleeping_engines` refuses a level above 0 in an asynchronous run; `warn_low_group_temperature` warns about
-near-greedy sampling with a group-relative estimator (every group's advantages zero), `warn_ignored_lora_keys` about
-LoRA keys set while `lora_rank=0` (full fine-tuning ignores them).
+key's name, and a train engine's `check_model` a model it cannot train, before the cluster starts;
+`resolve_sleep_level` fills the run-dependent default of `infer_engine.sleep_level`, and `refuse_sleeping_engines`
+refuses a level above 0 in an asynchronous run; `warn_low_group_temperature` warns about near-greedy sampling with
+a group-relative estimator (every group's advantages zero), `warn_ignored_lora_keys` about LoRA keys set while
+`lora_rank=0` (full fine-tuning ignores them).
 """
 
 from __future__ import annotations
@@ -91,6 +92,13 @@ class TrainEngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"train_engine.num_threads={self.num_threads} must be >= 1 (or null: all cores)")
+
+    def check_model(self, model_path: str) -> None:
+        """Raise ConfigError for a model this engine cannot train, judged from the local model folder `model_path`'s
+        config.json alone (no weights). The pipeline calls it for every model a training-side role will load, before
+        the cluster starts or any worker spawns (roll_core.pipelines.wiring.check_train_models); a model that is not
+        a local folder (a hub id) is not read there, and the engine checks it when it loads. The default refuses
+        nothing: engines that train any transformers model keep it."""
 
     def parallel_sizes(self) -> dict[str, int]:
         """Model-parallel sizes of one replica (`tp`, `pp`, `cp`; roll_core.cluster.mesh.Mesh.for_world): data is

@@ -75,7 +75,7 @@ from roll_core.pipelines.run_control import (
 )
 from roll_core.pipelines.template_kwargs import check_config_template_kwargs
 from roll_core.pipelines.trainer import Trainer
-from roll_core.pipelines.wiring import build_roles
+from roll_core.pipelines.wiring import build_roles, check_train_models
 from roll_core.run_lock import hold_run_folder
 from roll_core.tracking import AGREEMENT_PLOT_KEYS, Tracker
 
@@ -133,6 +133,10 @@ class Pipeline:
         self.out = resolve_run_folder(out, pipe.resume, resume_from, cfg.experiment, search=search)
         if not fresh:
             self.run_lock = hold_run_folder(self.out)
+        objective = load_objective(getattr(factory, "objective", "rl"))
+        needs = objective.needs(cfg)
+        # Before Ray starts: a model the train engine cannot train was refused by its workers, once spawned.
+        check_train_models(cfg, needs)
         self.cluster = Cluster(cfg.cluster, cfg.hw)
         self._building.rearm()  # ray.init replaced the SIGTERM handler with Ray's (an abort with a stack dump)
         self.cluster.platform.seed_everything(pipe.seed)
@@ -148,8 +152,6 @@ class Pipeline:
         self.task = build(cfg.env)
         # Said before any model loads: a task the collector cannot use, an estimator without the batch's form.
         factory.check(cfg, self.task)
-        objective = load_objective(getattr(factory, "objective", "rl"))
-        needs = objective.needs(cfg)
         if getattr(factory, "objective", "rl") == "rl":
             load_estimator(cfg.algo.adv_estimator, trajectories=factory.trajectories, gamma=cfg.algo.gamma)
 

@@ -5,6 +5,8 @@ and `algo` into worker groups: the trainable actor, the inference engines, the r
 the teachers, as the pipeline's objective needs them (`RoleNeeds`: a rollout-only run has no actor). A
 collector adds the roles that feed it (reward workers, environment workers) through the same cluster; nothing
 else builds a group. May assume `cfg` passed its schema checks; must not start generation or training.
+`check_train_models(cfg, needs)`, called before the cluster starts, has the train engine refuse a model it cannot
+train from its config.json.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from roll_core.cluster.launch import Cluster, resolve_python
@@ -133,6 +136,50 @@ def _refuse_vision(te: TrainEngineConfig, model_path: str) -> None:
         f"train_engine={te.name} cannot train the vision-language model at model.path={model_path}: use "
         "train_engine=hf or train_engine=fsdp2 (they feed pictures to the vision tower)"
     )
+
+
+def check_train_models(cfg: RLVRConfig, needs: RoleNeeds) -> None:
+    """Every model a training-side role of `cfg` will load (the actor's and reference's `model.path`, the critics'
+    `algo.critic_model_path`, the teachers': as `build_roles` builds them for `needs`) checked by the train engine's
+    config (`TrainEngineConfig.check_model`: config.json only, no weights), before the cluster starts. The engines
+    checked the same in their set-up only: on Ray a model they cannot train was refused after Ray had started and the
+    workers had spawned. A model whose config.json is not on this machine (a hub id not downloaded here) is left to
+    the engine, which checks it when it loads; the ConfigError names the key that gave the model."""
+    algo, model = cfg.algo, cfg.model
+    models: dict[str, str] = {}  # model -> the key naming it (the first that does)
+    if needs.train or needs.reference:
+        models.setdefault(model.path, "model.path")
+    if needs.critic:
+        models.setdefault(algo.critic_model_path or model.path, "algo.critic_model_path")
+    for name, path in needs.teachers.items():
+        models.setdefault(path, f"teacher {name}'s model")
+    for path, key in models.items():
+        folder = _local_model_folder(path)
+        if folder is None:
+            continue  # a hub id not downloaded here: the engine checks the model it downloads
+        try:
+            cfg.train_engine.check_model(str(folder))
+        except ConfigError as exc:
+            raise ConfigError(f"{key}={path}: {exc}") from exc
+
+
+def _local_model_folder(path: str) -> Path | None:
+    """The folder holding `path`'s config.json on this machine: a builtin (built once, cached), a model folder, or a
+    hub id's snapshot in the local Hugging Face cache; None for anything else (no download, no network probe)."""
+    from roll_core.models import resolve_model_path
+
+    if path.startswith("builtin:"):
+        return Path(resolve_model_path(path))
+    local = Path(path).expanduser()
+    if (local / "config.json").is_file():
+        return local
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json")
+    except Exception:  # an id the hub library refuses (or a folder that is no model): the build says why
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def build_roles(cfg: RLVRConfig, cluster: Cluster, model_path: str, needs: RoleNeeds | None = None) -> Roles:

@@ -323,7 +323,9 @@ def load_adapter(model: Any, hf_config: Any, folder: Path, rank: int, alpha: flo
     if (saved.get("r"), float(saved.get("lora_alpha", 0))) != (rank, float(alpha)):
         raise ValueError(
             f"{folder}: adapter r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}; this run has "
-            f"lora_rank={rank}, lora_alpha={alpha}"
+            f"lora_rank={rank}, lora_alpha={alpha}. Resume with train_engine.lora_rank={saved.get('r')} and "
+            f"lora_alpha={saved.get('lora_alpha')}, or start a new run from its merged weights "
+            f"(model.path={folder.parent / 'model'})"
         )
     # peft options that change what an adapter computes, which these wrappers (alpha / r, one A per fused layer,
     # no bias) do not: loaded anyway they would give another model, silently

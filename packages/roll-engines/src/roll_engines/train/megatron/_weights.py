@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from roll_engines.train._checkpoint_fit import _saved_rank, refuse_unfit
 from roll_engines.train._hf_checkpoint import _restored_on_failure, fsync_written
 from roll_engines.train._safetensors_file import read_safetensors_folder
 from roll_engines.train._settings import rebased
@@ -160,10 +161,17 @@ class MegatronWeightsAndCheckpoints:
         fresh optimizer (a resume's, read in place) is put back to fresh; a stepped one's error then says that its
         state is inconsistent and must be loaded again (no copy of it is kept: _checkpoint.written_or_reset). (The
         weights were written first: a folder without `optimizer/`, or with a truncated optimizer shard, raised with
-        the new weights loaded, and a misshapen tensor only after the tensors before it had been copied.)"""
+        the new weights loaded, and a misshapen tensor only after the tensors before it had been copied.)
+
+        A folder of a run without this role (a GRPO checkpoint resumed by a PPO run's critic), or saved training
+        every weight where this engine trains a LoRA adapter (or the reverse), is refused first, naming both sides
+        and the ways on (`refuse_unfit_megatron`); an adapter of another rank or alpha by _lora.load_adapter."""
         import torch.distributed as dist
 
         folder = Path(folder)
+        # A folder of a run without this role, or saved with LoRA on where this engine has it off (or the reverse),
+        # is refused by name before anything is read (each rank reads the same folder: all refuse alike).
+        refuse_unfit_megatron(folder, self.role, self.lora[0] if self.lora else 0, self.optimizer is not None)
         self._gather_params()  # no pending all-gather of the old weights may land on the loaded ones
         mapped = adapter = loaded = None
         fresh = self.optimizer is not None and not stepped(self.optimizer)  # (before the read primes it)
@@ -208,3 +216,23 @@ class MegatronWeightsAndCheckpoints:
             if type(e) not in (RuntimeError, ValueError):
                 raise
             raise type(e)(f"{path}: {e}") from e
+
+
+def refuse_unfit_megatron(folder: Path, role: str, lora_rank: int, trains: bool) -> None:
+    """Raise, naming checkpoint `folder`, what it holds and the ways on (as the hf family's
+    roll_engines.train._checkpoint_fit), when this engine (`role`, adapter rank `lora_rank`, 0: none; `trains`: it has
+    an optimizer) cannot resume it: FileNotFoundError for no such folder (it said `model/` "has no *.safetensors
+    weights"); ValueError for a full-weights checkpoint given a LoRA engine (a bare FileNotFoundError on
+    adapter/adapter_config.json) and a LoRA one given an engine training every weight (Megatron's "Cannot merge two
+    lists with different lengths" from the optimizer's param_groups). An hf-family checkpoint is refused by
+    _checkpoint.read_optimizer; an engine that trains nothing loads a LoRA checkpoint's merged `model/`."""
+    # trains=False: refuse_unfit's other refusal, of a Megatron-written optimizer/, is the hf family's
+    refuse_unfit(folder, "megatron", role, lora_rank, trains=False)
+    if trains and not lora_rank and (folder / "adapter").is_dir():
+        saved = _saved_rank(folder / "adapter")
+        raise ValueError(
+            f"{folder} is a LoRA checkpoint (adapter/, rank {saved}), and this {role} trains every weight "
+            f"(train_engine.lora_rank=0): its optimizer state is the adapter's. Resume with "
+            f"train_engine.lora_rank={saved} (and the saved lora_alpha), or start a new run from its merged weights "
+            f"(model.path={folder / 'model'})"
+        )
