@@ -9,6 +9,13 @@ and drops whatever else sits beside it without a word: `{"type": "integer", "enu
 matching '"', '\\' or a control character samples text that is not JSON, and an alternation 'a|b' binds to the
 quotes ('"a' or 'b"'). It samples `oneOf` as `anyOf`. Each is refused here, naming the keyword and its place, or
 (an unanchored alternation in a pattern) rewritten to the language meant.
+
+It also writes the any-value schema `{}` as an ungrouped alternation, so a property, tuple item or
+additionalProperties value `{}` bound its '|' to the text around it (`{"properties": {"a": {}}}` sampled `null` or
+`{"a":true` without its '}'): each `{}` below the root is given as `{"anyOf": [{}]}`, which it groups. An empty
+`enum` / `anyOf` / `oneOf` / `allOf` / `type` list (no value valid) became the empty regex (an empty response, or
+`{"a":}`): refused. A recursive `$ref` is expanded `_MAX_REF_DEPTH` levels deep, then the property holding it is
+dropped: a required one left objects without it and with a trailing comma (`{"v":1,}`, not JSON): refused.
 """
 
 from __future__ import annotations
@@ -104,6 +111,9 @@ def _consumed(schema: dict[str, Any]) -> tuple[str, set[str], frozenset[str]]:
 def _check_node(schema: dict[str, Any], where: str) -> tuple[str, set[str], frozenset[str]]:
     """Refuse what outlines-core's branch for this (sub)schema drops or samples against the schema; returns the
     node's `_consumed` (computed once per node: the caller's later checks read it too)."""
+    empty = [k for k in _NONEMPTY if schema.get(k) == []]
+    if empty:
+        _fail(where, f"{empty[0]!r} []", "no value is valid under it; outlines-core samples an empty text")
     bad = sorted(UNENFORCED & schema.keys())
     if "minProperties" in schema and "properties" in schema:
         bad.append("minProperties")
@@ -142,6 +152,81 @@ def _check_node(schema: dict[str, Any], where: str) -> tuple[str, set[str], froz
         if odd:
             _fail(where, f"property names {odd}", "outlines-core writes '\"', '\\' and control characters unescaped")
     return branch, read, sampled
+
+
+#: outlines-core's `max_recursion_depth`: a `$ref` met with more than this many references open fails, and
+#: `parse_properties` drops the property whose value failed (`continue`), required or not.
+_MAX_REF_DEPTH = 3
+#: Keywords whose empty list outlines-core turns into the empty regex (a schema no value is valid under).
+_NONEMPTY = ("enum", "anyOf", "oneOf", "allOf", "type")
+#: Where a keyword's value is a schema, a map of schemas or a list of schemas (what `_group_any` visits).
+_SCHEMA_KEYS = ("items", "additionalProperties")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+
+
+def _group_any(schema: Any) -> None:
+    """Replace, in place, every `{}` (any value) below `schema` with `{"anyOf": [{}]}`: outlines-core writes `{}` as
+    `(true|false)|(null)|...` unparenthesised, and where it pastes that after a property name or between tuple items
+    the '|' binds to the surrounding text; anyOf parenthesises its branches (same language, grouped)."""
+    if not isinstance(schema, dict):
+        return
+    children: list[tuple[Any, Any]] = [(schema, k) for k in _SCHEMA_KEYS]
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            children += [(schema[key], name) for name in schema[key]]
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            children += [(schema[key], i) for i in range(len(schema[key]))]
+    for holder, at in children:
+        sub = holder.get(at) if isinstance(holder, dict) else holder[at]
+        if sub == {}:
+            holder[at] = {"anyOf": [{}]}
+        else:
+            _group_any(sub)
+
+
+def _ref_target(ref: Any, root: dict[str, Any]) -> tuple[Any, str]:
+    """(the schema a local `$ref` names, its place as `$.a.b`); (None, ref) where it does not resolve (outlines-core
+    refuses the schema itself then)."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None, str(ref)
+    node: Any = root
+    parts = [p for p in ref[1:].split("/") if p]
+    for part in parts:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node, ".".join(["$", *parts])
+
+
+def _ref_limit(node: Any, depth: int, where: str, root: dict[str, Any], drops: list[str], seen: dict) -> bool:
+    """Whether outlines-core's regex of `node`, reached with `depth` references open, fails on the `$ref` depth
+    limit (its dispatch, `_ORDER`, replayed); each required property dropped on that failure goes into `drops`."""
+    if not isinstance(node, dict) or not node:
+        return False
+    key = (id(node), depth)
+    if key in seen:
+        return seen[key]
+    seen[key] = False  # a cycle at the same depth cannot occur (every $ref deepens): a placeholder, not an answer
+    branch = next((k for k in _ORDER if k in node), "")
+    value = node.get(branch)
+    fails = False
+    if branch == "properties" and isinstance(value, dict):
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        for name, sub in value.items():
+            if _ref_limit(sub, depth, f"{where}.properties.{name}", root, drops, seen) and name in required:
+                drops.append(f"{where}.properties.{name}")
+    elif branch in ("allOf", "anyOf", "oneOf", "prefixItems") and isinstance(value, list):
+        fails = any(_ref_limit(s, depth, f"{where}.{branch}[{i}]", root, drops, seen) for i, s in enumerate(value))
+    elif branch == "$ref":
+        target, place = _ref_target(value, root)
+        fails = depth > _MAX_REF_DEPTH or _ref_limit(target, depth + 1, place, root, drops, seen)
+    elif branch == "type":
+        types = _types(node)
+        subs = [("items", node.get("items"))] if "array" in types else []
+        subs += [("additionalProperties", node.get("additionalProperties"))] if "object" in types else []
+        fails = any(_ref_limit(s, depth, f"{where}.{k}", root, drops, seen) for k, s in subs if isinstance(s, dict))
+    seen[key] = fails
+    return fails
 
 
 def _walk(schema: Any, where: str, visit: Any) -> None:
@@ -259,6 +344,16 @@ def check_schema(schema: dict[str, Any]) -> dict[str, Any]:
     regex would sample values the schema forbids or text that is not JSON; else a copy whose string patterns are
     grouped (`"a|b"` is sampled as "a" or "b", not '"a' or 'b"')."""
     schema = copy.deepcopy(schema)
+    _group_any(schema)
+    drops: list[str] = []
+    _ref_limit(schema, 0, "$", schema, drops, {})
+    if drops:
+        _fail(
+            drops[0],
+            "a required property holding a recursive '$ref'",
+            f"outlines-core expands a recursion {_MAX_REF_DEPTH} levels deep, then drops the property, leaving "
+            "objects without it and a trailing comma (not JSON): make it optional, or write the levels out",
+        )
 
     def visit(node: dict[str, Any], where: str) -> None:
         # Once per node (the pattern rewrite below leaves it a string: what is read does not change).

@@ -6,8 +6,10 @@ Contract:
   through outlines-core's `build_regex_from_schema`. The vLLM and SGLang adapters send that same regex, so every
   engine constrains the same language. A schema with a restricting keyword outlines-core drops silently (minimum,
   uniqueItems, a several-schema allOf, a keyword beside the one outlines-core reads there, a pattern or format whose
-  text is not JSON, a oneOf whose branches are not shown exclusive: roll_engines._structured_schema) is refused, not
-  sampled from a larger language. A regex valid in Python but outside outlines-core's dialect (anchors, lookarounds,
+  text is not JSON, a oneOf whose branches are not shown exclusive, an empty enum / anyOf list, a required property
+  holding a recursive $ref: roll_engines._structured_schema) is refused, not sampled from a larger language; an
+  any-value `{}` below the root is sent grouped (outlines-core pasted its alternation into the text around it).
+  A regex valid in Python but outside outlines-core's dialect (anchors, lookarounds,
   word boundaries, backreferences, ...: `_UNSUPPORTED_REGEX`) is refused naming the construct, and every regex is
   compiled once over a byte vocabulary, so that each engine's `check_sampling` fails on what vLLM / SGLang would fail
   on only when the request is submitted. Unicode classes ('\\d', '\\w', '\\s') follow Rust's tables, not Python's: they
