@@ -19,6 +19,13 @@ a value silently: what cannot be read as the data means it is a skip.
   are the JSON of a `function_call` turn (a call `{"name", "arguments"}` or a list of them), and a `tool` message;
   any other `from` is an `unknown_role` skip naming it (it was kept as the role: a template rendered a turn of that
   name, or the row lost its answer).
+  Roles (`role_rule`): `KNOWN_ROLES` are the four chat roles and those of tool-calling templates (developer,
+  function, ipython, observation). A role that is one of them but for case, spaces or a small misspelling
+  ("Assistant", "assitant", "usr", "sytem": an edit distance of 1 from a role of up to 5 letters, 2 from a longer
+  one) or another dataset's name for one (`ROLE_ALIASES`: human, gpt, model) is an `unknown_role` skip naming the
+  role meant: the template rendered it under a header of its own as untrained context, so a misspelt assistant turn
+  was never trained, without a word. Any other role (a template's own, e.g. "critic") is kept, as context; the
+  loader counts the examples holding one (`other_roles`) and warns once per role. A blank role is `wrong_type`.
 - `row_messages(row, messages_key)`: the messages of a `messages` row (or its ShareGPT `conversations` column), with
   LLaMA-Factory's `system` column (text beside ShareGPT messages) put first as a system message; a row with both
   that column and a different leading system turn is a `wrong_type` skip (which one the data means is unknown).
@@ -45,6 +52,8 @@ from typing import Any
 from roll_core.posttrain.rows import SkipRow
 
 __all__ = [
+    "KNOWN_ROLES",
+    "ROLE_ALIASES",
     "SHAREGPT_COLUMN",
     "SHAREGPT_ROLES",
     "SHAREGPT_SYSTEM_COLUMN",
@@ -55,6 +64,8 @@ __all__ = [
     "check_text",
     "check_tools",
     "need",
+    "other_roles",
+    "role_rule",
     "row_messages",
     "sharegpt_message",
     "tool_call_names",
@@ -75,6 +86,12 @@ SHAREGPT_ROLES = {
     "observation": "tool",
 }
 _SURROGATE = re.compile("[\ud800-\udfff]")
+#: Roles chat templates render: OpenAI's four (only `assistant` turns are trained), OpenAI's `developer` and legacy
+#: `function`, Llama 3.1's `ipython`, GLM's `observation` (tool results).
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython", "observation")
+#: Other data sets' names for a chat role, as a `role` (ShareGPT's as `from` are read by `sharegpt_message`; Gemma's
+#: template calls the assistant `model`): what the row means, but not what a template trains.
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant"}
 
 
 def need(row: Mapping[str, Any], key: str) -> Any:
@@ -159,6 +176,41 @@ def sharegpt_message(m: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {**rest, "role": role, "content": "", "tool_calls": tool_calls}
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance with adjacent transpositions ("assitsant"), by dynamic programming."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def role_rule(role: str) -> str | None:
+    """The known role a message's `role` was likely meant as (see the module doc), or None: a known role, or one
+    unlike any (kept as context, counted by `other_roles`)."""
+    if role in KNOWN_ROLES:
+        return None
+    word = role.strip().casefold()
+    if word in ROLE_ALIASES:
+        return ROLE_ALIASES[word]
+    near = []
+    for known in KNOWN_ROLES:
+        # one edit for a short role: two would take "toy" or "tone" for "tool"
+        if abs(len(word) - len(known)) <= 2 and (d := _edit_distance(word, known)) <= (1 if len(known) <= 5 else 2):
+            near.append((d, known))
+    return min(near)[1] if near else None
+
+
+def other_roles(messages: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The roles of `messages` that are not `KNOWN_ROLES` (sorted, each once): rendered as context, never trained."""
+    return tuple(sorted({m["role"] for m in messages} - set(KNOWN_ROLES)))
+
+
 def check_messages(value: Any, key: str) -> list[dict[str, Any]]:
     """A non-empty list of chat messages (ShareGPT's read as such), each with a role and text content (None only
     beside tool calls), or a skip (see the module doc)."""
@@ -170,8 +222,16 @@ def check_messages(value: Any, key: str) -> list[dict[str, Any]]:
     for i, m in enumerate(value):
         if _is_sharegpt(m):
             m = sharegpt_message(m, f"{key!r}[{i}]")
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not m["role"].strip():
             raise SkipRow("wrong_type", f"{key!r}[{i}] is not a message with a 'role' ({str(m)[:60]})")
+        meant = role_rule(m["role"])
+        if meant is not None:
+            lost = "a turn roll never trains" if meant == "assistant" else f"not a {meant!r} turn"
+            raise SkipRow(
+                "unknown_role",
+                f"{key!r}[{i}] has role {m['role']!r}: {meant!r} meant? The chat template renders it under a header "
+                f"of its own ({lost}); write {meant!r}",
+            )
         content = m.get("content")
         if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
             raise SkipRow("wrong_type", f"{key!r}[{i}] content is {type(content).__name__}, expected text")

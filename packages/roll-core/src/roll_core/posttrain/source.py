@@ -42,6 +42,7 @@ from roll_core.posttrain.pairs import (
     score_column,
     score_of,
 )
+from roll_core.posttrain.row_values import KNOWN_ROLES
 from roll_core.posttrain.rows import RawRow, SkipRow, Skips, apply, held_out, read_rows
 from roll_core.posttrain.tokenize import SFT_FORMATS, SFTTokenizer, TokenRow, detect_format, loose_prompt_keys
 from roll_core.protocol import Batch
@@ -84,8 +85,10 @@ class RowSource:
     """Tokenised examples of one kind (TokenRows, or Pairs for `preference`) and their batches.
 
     `skipped` (reason -> rows), `truncated` (the responses of its examples that were cut to max_response_length,
-    both sides of a pair counted; a row or pair skipped after its cut is not) and `stats` (kind-specific counts, e.g.
-    `prompts_without_pair`) describe how the files were read, for the run's metrics."""
+    both sides of a pair counted; a row or pair skipped after its cut is not), `other_roles` (role -> examples with
+    a turn of that role roll does not know, rendered as untrained context: roll_core.posttrain.row_values) and
+    `stats` (kind-specific counts, e.g. `prompts_without_pair`) describe how the files were read, for the run's
+    metrics."""
 
     def __init__(
         self,
@@ -102,6 +105,10 @@ class RowSource:
         self.skipped = dict(skipped or {})
         sides = (t for x in self.items for t in ((x.chosen, x.rejected) if isinstance(x, Pair) else (x,)))
         self.truncated = sum(t.truncated for t in sides)
+        self.other_roles: dict[str, int] = {}
+        for x in self.items:
+            for role in set(x.chosen.other_roles + x.rejected.other_roles if isinstance(x, Pair) else x.other_roles):
+                self.other_roles[role] = self.other_roles.get(role, 0) + 1
         self.stats = dict(stats or {})
 
     def __len__(self) -> int:
@@ -202,7 +209,18 @@ def load_rows(
                 hint = f"; data.correct_key=null scores them by {data.reward_key!r}" if data.correct_key else ""
                 what = f"pairs (no prompt has two samples whose scores differ by more than data.pair_margin{hint})"
             raise ConfigError(f"{setting}: no usable {what}")
-        return RowSource(kind, items, pad, skipped=skips.counts, stats=stats)
+        source = RowSource(kind, items, pad, skipped=skips.counts, stats=stats)
+        for role, n in sorted(source.other_roles.items()):  # once per role: kept, but maybe not what was meant
+            log.warning(
+                "%s: %d of %d examples have turns of role %r, which the chat template renders as context, never "
+                "trained (roll knows the roles %s; only assistant turns are trained)",
+                setting,
+                n,
+                len(source),
+                role,
+                ", ".join(KNOWN_ROLES),
+            )
+        return source
 
     train = load(data.paths, "data.path")
     if data.eval_paths:

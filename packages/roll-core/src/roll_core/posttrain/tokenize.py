@@ -27,7 +27,8 @@ named there). Blank text of a prompt, completion or preference response is skipp
 SFT / distillation row's trained assistant turn with nothing after its `</think>` and no tool call (Qwen3's empty
 think block `<think>\\n\\n</think>\\n\\n` given as the text, or reasoning without an answer): trained, the model
 learns to end its turn after thinking, without answering (preference rows keep such a response: a rejected one
-is a lesson to unlearn).
+is a lesson to unlearn). A text completion without the template (`data.chat_template=false`) is checked alike:
+nothing after its last `</think>` but the eos token's text is an `empty` skip.
 
 Ids after a context (`encode_after`): text is tokenised together with the text before it and the context's own ids
 are taken off, when they are a prefix of the whole's (else, where BPE merges across the boundary, on its own: the ids
@@ -65,6 +66,7 @@ from roll_core.posttrain.row_values import (
     check_text,
     check_tools,
     need,
+    other_roles,
     row_messages,
     tool_call_names,
     train_flag,
@@ -106,8 +108,9 @@ class TokenRow:
     """One tokenised example: `prompt_ids`, `response_ids` and the 0/1 loss `mask` over them, where it came from,
     `key` (its prompt ids exactly: pairing, and the hash that decides its held-out side; `loose_prompt_keys` says
     which prompts are one problem but for whitespace), `aligned` sequences (first dimension: one item per
-    response token, e.g. a teacher's top-k as an (R, K) tensor) that are cut with the response, and `truncated`
-    (the length limit cut its response)."""
+    response token, e.g. a teacher's top-k as an (R, K) tensor) that are cut with the response, `truncated`
+    (the length limit cut its response) and `other_roles` (its messages' roles that roll does not know:
+    row_values' `other_roles`, rendered as context; counted by the loader)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -116,6 +119,7 @@ class TokenRow:
     key: str = ""
     aligned: dict[str, list[Any]] = field(default_factory=dict)
     truncated: bool = False
+    other_roles: tuple[str, ...] = ()
 
 
 def loose_prompt_keys(tokenizer: Any, prompts: Sequence[Sequence[int]]) -> list[str]:
@@ -199,15 +203,24 @@ def _leading_specials(with_specials: list[int], text_ids: list[int]) -> list[int
     return None
 
 
+def _no_answer(text: str, end: str | None = None) -> bool:
+    """Whether `text` reasons and then says nothing: blank after its last `</think>` (and `end`, the eos token's
+    text a raw completion may close with). Text without `</think>` is left to the blank checks: a `<think>` alone
+    may be a word of an answer."""
+    if "</think>" not in text:
+        return False
+    after = text.rpartition("</think>")[2].strip()
+    return not (after.removesuffix(end).strip() if end else after)
+
+
 def _check_answers(messages: list[dict[str, Any]], trained: list[bool]) -> None:
-    """An `empty` skip for a trained assistant turn that reasons and then says nothing: blank text after its last
-    `</think>` and no tool call (see the module doc). Text without `</think>` is left to the chat encoder's blank
-    check: a `<think>` alone may be a word of an answer."""
+    """An `empty` skip for a trained assistant turn that reasons and then says nothing (`_no_answer`) and makes no
+    tool call (see the module doc)."""
     for i, (m, train) in enumerate(zip(messages, trained, strict=True)):
         content = m.get("content")
         if m["role"] != "assistant" or not train or m.get("tool_calls") or not isinstance(content, str):
             continue
-        if "</think>" in content and not content.rpartition("</think>")[2].strip():
+        if _no_answer(content):
             raise SkipRow(
                 "empty",
                 f"assistant message {i} to train has nothing after its </think> (no answer, no tool call): "
@@ -266,7 +279,11 @@ class SFTTokenizer:
         if form == "prompt_completion":
             prompt, completion = need(row, cfg.prompt_key), need(row, cfg.completion_key)
             if isinstance(prompt, str) and isinstance(completion, str) and not cfg.chat_template:
-                return self.raw_text(check_text(prompt, cfg.prompt_key), check_text(completion, cfg.completion_key))
+                prompt, completion = check_text(prompt, cfg.prompt_key), check_text(completion, cfg.completion_key)
+                if _no_answer(completion, self.tokenizer.eos_token):  # as a templated turn (preference rows keep it)
+                    why = f"{cfg.completion_key!r} has nothing after its </think> (no answer): {completion[-60:]!r}"
+                    raise SkipRow("empty", why)
+                return self.raw_text(prompt, completion)
             p = self.as_messages(prompt, cfg.prompt_key, "user")
             c = self.as_messages(completion, cfg.completion_key, "assistant")
             trained = [False] * len(p) + [train_flag(m) for m in c]
@@ -283,7 +300,7 @@ class SFTTokenizer:
     def chat_row(self, messages: list[dict[str, Any]], trained: list[bool], tools: Any) -> TokenRow:
         """A conversation through the chat template (`trained[i]`: assistant message i is trained)."""
         prompt, response, mask = self.chat.encode(messages, trained, check_tools(tools))
-        return TokenRow(prompt, response, mask, key=json.dumps(prompt))
+        return TokenRow(prompt, response, mask, key=json.dumps(prompt), other_roles=other_roles(messages))
 
     def raw_text(self, prompt: str, completion: str) -> TokenRow:
         """Text without a template: the tokenizer's leading special tokens (bos) and the prompt's ids, then the
