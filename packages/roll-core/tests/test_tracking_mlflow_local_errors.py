@@ -119,3 +119,53 @@ def test_a_local_store_that_cannot_be_written_is_said_once_and_a_resume_sends_th
     assert run_id_of(run) == run_id
     assert read_run(client, run_id) == {s: {"loss": float(s)} for s in (1, 2, 3)}
     assert "samples/step_000002.json" in [a.path for a in client.list_artifacts(run_id, "samples")]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_redo_whose_new_run_cannot_be_created_in_a_read_only_store_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restart in the process redoes steps 2-3 of an open MLflow run: `truncate(1)` starts the run that replaces it,
+    in a store that cannot be written now (read-only). The error raised into training (the next call) though a local
+    store's errors are said once elsewhere. Now it is said once and training goes on; run.json names the recorded run
+    as valid up to step 1 only, so a resume past the redone steps replaces it (continued, it showed the abandoned
+    values 2.0 and 3.0 of steps metrics.jsonl holds as 20.0 and 30.0)."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow import read_run
+
+    run = tmp_path / "run"
+    tracker = Tracker(run, CONFIG, ["mlflow"])
+    backend = tracker.backends[0]
+    for step in (1, 2, 3):
+        tracker.log(step, {"loss": float(step)})
+    backend.wait()
+    db = run / "mlflow" / "mlflow.db"
+    client, recorded = MlflowClient(tracking_uri=f"sqlite:///{db}"), run_id_of(run)
+    backend.client = MlflowClient(tracking_uri=f"sqlite:///file:{db}?mode=ro&uri=true")  # the store is read-only now
+
+    caplog.set_level(logging.WARNING, logger="roll_core.trackers.mlflow")
+    tracker.truncate(1)  # restarted from the checkpoint at step 1: steps 2 and 3 are redone
+    for step in (2, 3, 4):
+        tracker.log(step, {"loss": 10.0 * step})
+    backend.wait()  # nothing raises into training
+    ours = [r for r in caplog.records if r.name == "roll_core.trackers.mlflow"]
+    errors = [r.getMessage() for r in ours if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "cannot be written (OperationalError: " in errors[0], errors
+    assert "lacks the steps after 1" in errors[0]
+    tracker.close(failed=False)
+    assert json.loads((run / "mlflow" / "run.json").read_text()) | {"local": True} == {
+        "tracking_uri": f"sqlite:///{db}",
+        "run_id": recorded,
+        "last_step": 1,
+        "local": True,
+    }
+    assert read_run(client, recorded) == {s: {"loss": float(s)} for s in (1, 2, 3)}  # nothing of the redo reached it
+
+    resumed = Tracker(run, CONFIG, ["mlflow"], resume=True)  # the store can be written again; resumed at step 3
+    resumed.truncate(3)
+    resumed.close(failed=False)
+    replaced = run_id_of(run)
+    assert replaced != recorded and client.get_run(recorded).info.lifecycle_stage == "deleted"
+    assert read_run(client, replaced) == {1: {"loss": 1.0}, 2: {"loss": 20.0}, 3: {"loss": 30.0}}

@@ -509,3 +509,42 @@ def test_a_run_ending_with_the_server_down_ends_in_bounded_time_and_counts_what_
     assert kept and kept == list(range(13 - len(kept), 13))  # the newest steps
     assert dropped >= 12 - len(kept)  # every loss point left out is counted (and count points dropped with them)
     assert [r["step"] for r in Tracker.read_metrics(tmp_path / "metrics.jsonl")] == list(range(13))  # kept locally
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (SQLAlchemy's, from MLflow's sqlite store)
+def test_a_redo_while_the_server_is_away_opens_the_new_run_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restart in the process redoes steps 2-3 of an open MLflow run while the server does not answer: the run
+    replacing it could not be started, and `Unreachable` raised into training (the next call). Now it is warned
+    about once, and the run is opened at a later log once the server answers: one new run with the folder's history
+    (the redone values), the recorded one retired."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.testing.mlflow_server import free_port
+    from roll_core.trackers.mlflow import read_run
+
+    tracker = Tracker(tmp_path, _config(retries=0, timeout_s=2, retry_interval_s=0), ["mlflow"])
+    backend = tracker.backends[0]
+    for step in (1, 2, 3):
+        tracker.log(step, {"loss": float(step)})
+    backend.wait()
+    store, recorded = backend.client, run_id_of(tmp_path)
+    backend.client = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")  # nothing answers there
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        tracker.truncate(1)  # restarted from the checkpoint at step 1: steps 2 and 3 are redone
+        tracker.log(2, {"loss": 20.0})
+        backend.wait()  # nothing raises into training
+        assert backend.run_id is None and json.loads((tmp_path / "mlflow" / "run.json").read_text())["last_step"] == 1
+        backend.client = store  # the server answers again
+        tracker.log(3, {"loss": 30.0})
+        tracker.close(failed=False)
+    ours = _mlflow_records(caplog)
+    assert [message for _, message in ours if "not answering" in message] == [ours[0][1]], ours
+    assert all(level == logging.WARNING for level, _ in ours), ours
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
+    replaced = run_id_of(tmp_path)
+    assert replaced != recorded and client.get_run(recorded).info.lifecycle_stage == "deleted"
+    assert read_run(client, replaced) == {1: {"loss": 1.0}, 2: {"loss": 20.0}, 3: {"loss": 30.0}}
+    assert client.get_run(replaced).data.tags["roll.resumed_from"] == recorded

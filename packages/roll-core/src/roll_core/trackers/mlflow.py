@@ -5,7 +5,8 @@ Options: `tracking.mlflow` (roll_core.config.tracking.MlflowConfig).
   (`sqlite:///<run>/mlflow/mlflow.db`, artifacts in `<run>/mlflow/artifacts`; view it with
   `mlflow ui --backend-store-uri sqlite:///<run>/mlflow/mlflow.db`). That store goes with the folder: moved, its
   runs resume (roll_core.trackers.mlflow_resume) and their artifacts are the moved folder's
-  (roll_core.trackers.mlflow_local).
+  (roll_core.trackers.mlflow_local). Another store not behind a server (a `sqlite:` or `file:` URI, a database) keeps
+  each run's artifacts in its own run folder, also where a sweep's jobs share it (roll_core.trackers.mlflow_local).
 - Experiment: `tracking.mlflow.experiment`, else `tracking.group` (a sweep's jobs share one), else `experiment`.
   The run's name is the run name (`tracking.run_name`, else `experiment`).
 - Params: the resolved config flattened to dotted keys (`algo.lr`; lists as JSON text). MLflow caps a param value
@@ -95,7 +96,7 @@ from roll_core.trackers.mlflow_keys import (
     flatten_config,
     mlflow_key,
 )
-from roll_core.trackers.mlflow_local import follow_folder
+from roll_core.trackers.mlflow_local import follow_folder, own_artifacts
 from roll_core.trackers.mlflow_resume import STATE_FILE, UNSENT_FILE, MlflowResume
 from roll_core.tracking import redact_config, redact_exception, redact_text
 
@@ -203,7 +204,8 @@ class MlflowTracker(MlflowResume, MlflowClose):
             yield
 
     def _experiment_id(self) -> str:
-        """The experiment's id, created when missing (a local store keeps its artifacts in the run folder)."""
+        """The experiment's id, created when missing (a local store keeps its artifacts in the run folder: this one's,
+        and in a store other run folders share, each run its own, `own_artifacts`)."""
         from mlflow.exceptions import MlflowException
 
         found = self.client.get_experiment_by_name(self.experiment)
@@ -229,6 +231,8 @@ class MlflowTracker(MlflowResume, MlflowClose):
         try:
             with self._http():
                 run = self.client.create_run(self._experiment_id(), run_name=self.name, tags=tags)
+                # a store other run folders share: the experiment's location is the folder of the job that made it
+                own_artifacts(self.client, run, self.dir / "artifacts")
         except Exception as exc:
             error = Unreachable if is_network_error(exc) else RuntimeError
             message = f"MLflow at {self.shown_uri}: cannot start the run ({redact_text(str(exc))})"

@@ -1,6 +1,7 @@
-"""The run folder's own MLflow store (roll_core.trackers.mlflow: `sqlite:///<run>/mlflow/mlflow.db`, artifacts in
-`<run>/mlflow/artifacts`) after the folder moved (a sweep folder renamed or moved, a folder reached through another
-mount point): `follow_folder` makes its artifacts follow the folder.
+"""Where a run's MLflow artifacts live in a store on this machine's disk: the run folder's own store
+(roll_core.trackers.mlflow: `sqlite:///<run>/mlflow/mlflow.db`, artifacts in `<run>/mlflow/artifacts`) after the
+folder moved (a sweep folder renamed or moved, a folder reached through another mount point): `follow_folder` makes
+its artifacts follow the folder; a store several run folders share: `own_artifacts` keeps each run's in its own.
 
 MLflow keeps absolute locations: an experiment's `artifact_location` (roll sets `file://<run>/mlflow/artifacts`) and,
 from it, each run's `artifact_uri` (`<location>/<run id>/artifacts`), fixed when the run was created. The SQLite file
@@ -13,6 +14,16 @@ experiment someone created by hand in this database) are left as they are. Contr
 used by this process's MLflow client (the tracker's construction); a database without MLflow's tables (not created
 yet) is left as it is, one that cannot be read or written is warned about (never raised: the tracker's own writes
 say what fails); returns how many experiments were moved.
+
+A store several run folders share (a sweep's jobs with one `sqlite:`/`file:`/database tracking URI, one experiment:
+`tracking.group`): the experiment's location is the run folder of the job that created it, and MLflow puts every
+run's artifacts under its experiment's, so every job's config.yaml and sample tables went into that first job's
+folder (and went with it: deleted, moved, read-only). `own_artifacts` gives a new run whose location is under
+another run folder's artifacts its own folder's (`<run>/mlflow/artifacts/<run id>/artifacts`), in the store's
+record of the run (MLflow has no call for it: its SQL store's table, its file store's meta.yaml). A location the
+user chose (an experiment not made by roll) is left as it is, and so is one of a store roll cannot change (another
+kind): said once, as a warning naming where the artifacts go. Contract: called right after the run is created,
+before anything is logged to it; the store's own errors are raised (the tracker's `_start` says what fails).
 """
 
 from __future__ import annotations
@@ -20,8 +31,9 @@ from __future__ import annotations
 import logging
 import sqlite3
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ARTIFACTS_TAIL", "follow_folder"]
+__all__ = ["ARTIFACTS_TAIL", "follow_folder", "own_artifacts"]
 
 log = logging.getLogger("roll_core.trackers.mlflow")  # the backend's logger: all its messages under one name
 #: How the artifact location roll gives a run folder's own store ends.
@@ -64,6 +76,48 @@ def follow_folder(db: Path, artifacts: Path) -> int:
     for _, old in moved:
         log.info("MLflow: the run folder moved: artifacts of %s are now read and written in %s", old, new)
     return len(moved)
+
+
+def own_artifacts(client: Any, run: Any, artifacts: Path) -> str:
+    """Make the artifact location of the new `run` (of `client`'s store) `artifacts`' when it is under another run
+    folder's artifacts (the module docstring); the run's location, as it is now."""
+    info = run.info
+    location, tail = str(info.artifact_uri or ""), f"/{info.run_id}/artifacts"
+    root, new_root = location.removesuffix(tail), artifacts.resolve().as_uri()
+    if root == location or not _other_folder(root, new_root):
+        return location  # its own folder already, or a location the user chose
+    new = new_root + tail
+    from mlflow.store.tracking.file_store import FileStore
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = client._tracking_client.store
+    if isinstance(store, SqlAlchemyStore):
+        from mlflow.store.tracking.dbmodels.models import SqlRun
+
+        with store.ManagedSessionMaker() as session:
+            session.query(SqlRun).filter(SqlRun.run_uuid == info.run_id).update({SqlRun.artifact_uri: new})
+    elif isinstance(store, FileStore):
+        record = store._get_run_info(info.run_id)
+        record._artifact_uri = new
+        store._overwrite_run_info(record)
+    else:
+        _warn_shared(type(store).__name__, root)
+        return location
+    _forget_repositories([info.run_id])
+    return new
+
+
+_warned: set[str] = set()  # the stores `_warn_shared` warned about (once per process each)
+
+
+def _warn_shared(kind: str, root: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        log.warning(
+            "MLflow: runs of this %s store keep their artifacts under %s, another run folder's (its experiment's "
+            "location): roll cannot give a run its own folder's in this kind of store",
+            *(kind, root),
+        )
 
 
 def _other_folder(location: object, new: str) -> bool:

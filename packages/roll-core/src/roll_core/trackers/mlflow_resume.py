@@ -99,14 +99,32 @@ class MlflowResume:
     def _truncate(self, last_step: int) -> None:
         """Continue the recorded run when it holds nothing after `last_step`, else start a new one replaying steps
         0..last_step (MLflow cannot delete points; see the module docstring). A server that does not answer is
-        warned about, and the run is opened at a later log."""
+        warned about, and the run is opened at a later log. With the run open (a restart in the process), a new run
+        that cannot be started is what `_open` makes of it: the server away, opened at a later log; a local store
+        that cannot be written, said once (`_broken`); never raised into training."""
         if self.run_id is not None:
             if self.last_step <= last_step:
                 self.pending_metrics = [m for m in self.pending_metrics if m[3] <= last_step]
                 return
             old = self.run_id
             self.pending_metrics, self.pending_artifacts, self.pending_tags = [], {}, {}
-            self._start(resumed_from=old)
+            # The open run is valid up to `last_step` only: run.json says so before the new run starts, so a resume
+            # after a failed start (below, or a crash) replaces it (continued, it showed the redone steps' old values)
+            self.held_step = min(self.held_step, last_step)
+            self._save_state()
+            try:
+                self._start(resumed_from=old)
+            except Unreachable as exc:  # opened at a later log, as a resumed run whose server did not answer
+                self.run_id, self.resume_step, self.seen_step = None, last_step, last_step
+                self._outage(
+                    exc, "the MLflow run replacing the redone steps is opened, and sent them from metrics.jsonl,"
+                )
+                return
+            except RuntimeError as exc:  # a local store that cannot be written: said once, training goes on
+                if local_failure(exc) is None:
+                    raise
+                self._broken(exc)
+                return
             self._supersede(old, str(self.run_id))
             self._replay(last_step)
             return
