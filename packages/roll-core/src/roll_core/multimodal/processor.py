@@ -62,12 +62,15 @@ class Family:
         mrope: whether the model takes 3D (temporal, height, width) rotary positions computed from the pictures.
         resize: whether pictures keep their aspect and are resized to an area within [min_pixels, max_pixels]
             (dynamic resolution: the picture size bounds apply), rather than to one fixed size.
+        check: (model config) -> None, a ValueError for a model of the family whose picture token count `tokens`
+            cannot tell (raised when a `VisionProcessor` is built, not at the first picture).
     """
 
     image_token: str
     tokens: Callable[[Mapping[str, Tensor], int, Any], int]
     mrope: bool
     resize: bool = False
+    check: Callable[[Any], None] | None = None
 
 
 def _qwen_tokens(out: Mapping[str, Tensor], i: int, config: Any) -> int:
@@ -75,18 +78,37 @@ def _qwen_tokens(out: Mapping[str, Tensor], i: int, config: Any) -> int:
     return int(out["image_grid_thw"][i].prod()) // (merge * merge)
 
 
+#: LLaVA vision towers (vision_config.model_type) by the class tokens their features start with: CLIP's one CLS
+#: token, none for SigLIP (llava-interleave). transformers' processor counts them as `num_additional_image_tokens`.
+LLAVA_CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
+
+
+def _llava_class_tokens(config: Any) -> int:
+    """Class tokens of a LLaVA model's vision tower; ValueError for a tower roll does not know the features of."""
+    tower = str(getattr(config.vision_config, "model_type", ""))
+    if tower not in LLAVA_CLASS_TOKENS:
+        raise ValueError(
+            f"a LLaVA model with a {tower!r} vision tower: roll cannot tell how many features its pictures take "
+            f"(known towers: {', '.join(sorted(LLAVA_CLASS_TOKENS))})"
+        )
+    return LLAVA_CLASS_TOKENS[tower]
+
+
 def _llava_tokens(out: Mapping[str, Tensor], i: int, config: Any) -> int:
-    # One token per vision patch of the (resized, cropped) picture; the "default" strategy drops the CLS token.
+    # One feature per vision patch of the (resized, cropped) picture plus the tower's class tokens; the "default"
+    # strategy drops the first feature whatever it is (transformers' rule: a SigLIP tower then loses a patch). A
+    # CLS token counted for SigLIP made one placeholder more than the model's features: every prompt failed.
     h, w = out["pixel_values"].shape[-2:]
     patch = int(config.vision_config.patch_size)
-    return (h // patch) * (w // patch) + (0 if config.vision_feature_select_strategy == "default" else 1)
+    n = (h // patch) * (w // patch) + _llava_class_tokens(config)
+    return n - 1 if config.vision_feature_select_strategy == "default" else n
 
 
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True, resize=True),
     "qwen2_5_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True, resize=True),
     "qwen3_vl": Family("<|image_pad|>", _qwen_tokens, mrope=True, resize=True),
-    "llava": Family("<image>", _llava_tokens, mrope=False),
+    "llava": Family("<image>", _llava_tokens, mrope=False, check=_llava_class_tokens),
 }
 
 #: transformers' image processor backend roll loads (module docstring): PIL, which every install has.
@@ -243,6 +265,8 @@ class VisionProcessor:
             )
         self.family = FAMILIES[kind]
         self.config = AutoConfig.from_pretrained(path)
+        if self.family.check is not None:
+            self.family.check(self.config)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
         self.image_processor = load_image_processor(path, min_pixels, max_pixels)
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.family.image_token))

@@ -27,9 +27,10 @@ Contract:
 - Picture size: `Vision.of(path, min_pixels, max_pixels)` keeps the run's bounds (model.image_*_pixels; checked
   against the folder's image processor at once, a ValueError for bounds that cannot apply) and `save_processor`
   writes the checkpoint's image processor with them, so `roll eval`, transformers and vLLM on the checkpoint
-  resize pictures to the grid the run trained on, and the processor chat template the run rendered prompts with
-  (`keep_processor_template`). The trainer itself runs no image processor: each row's
-  `MMInputs` holds the tensors the prompt builder made.
+  resize pictures to the grid the run trained on, the processor chat template the run rendered prompts with
+  (`keep_processor_template`) and the folder's processor settings (`keep_processor_config`: LLaVA's patch size and
+  feature strategy, which transformers' processor expands placeholders by). The trainer itself runs no image
+  processor: each row's `MMInputs` holds the tensors the prompt builder made.
 """
 
 from __future__ import annotations
@@ -291,7 +292,32 @@ def save_processor(vision: Vision | None, path: str, folder: Path, trust_remote_
         return
     processor = load_image_processor(path, vision.min_pixels, vision.max_pixels, trust_remote_code)
     processor.save_pretrained(folder)
+    keep_processor_config(Path(path), folder)
     keep_processor_template(Path(path), folder, trust_remote_code)
+
+
+#: Processor files a checkpoint copies from the model folder as they are (Qwen3-VL's video processor settings).
+PROCESSOR_FILES = ("video_preprocessor_config.json",)
+
+
+def keep_processor_config(source: Path, folder: Path) -> None:
+    """Copy `source`'s processor settings into the checkpoint `folder` (its image processor already saved):
+    `processor_config.json` (LLaVA's `patch_size`, `vision_feature_select_strategy`, `num_additional_image_tokens`,
+    which transformers' processor expands each picture placeholder by; without them `AutoProcessor` on the
+    checkpoint failed at its first picture, `patch_size` None) and `PROCESSOR_FILES`.
+
+    transformers reads an image processor nested in `processor_config.json` (its 5.x save layout) BEFORE
+    `preprocessor_config.json`: the copy's nested one is replaced by the one saved here, which holds the run's picture
+    size bounds (the source's own would undo them for every reader of the checkpoint)."""
+    config_file = source / "processor_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        if isinstance(config.get("image_processor"), dict):
+            config["image_processor"] = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+        (folder / "processor_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file() and not (folder / name).exists():
+            shutil.copyfile(source / name, folder / name)
 
 
 def keep_processor_template(source: Path, folder: Path, trust_remote_code: bool = False) -> None:
