@@ -80,3 +80,21 @@ def test_qwen3_trains_every_turn_with_its_reasoning_and_keeps_it_in_later_contex
     first, second = masked_segments(tok, batch["responses"][0], batch["response_mask"][0])
     assert (first, second) == ("<think>\nr1\n</think>\n\nx<|im_end|>", "<think>\nr2\n</think>\n\ny<|im_end|>")
     assert "r1" not in tok.apply_chat_template(turns, tokenize=False)  # what a full re-rendering would show
+
+
+def test_an_answer_that_spells_the_closing_tag_is_an_answer(tmp_path):
+    """The reasoning ends at the first `</think>`: an answer ending in the tag's own text ("It is </think>") is
+    trained where the template renders it (ChatML), and a template that drops it (Qwen3 splits at the last tag)
+    says so (`template_drops_content`). Read after the last `</think>`, it was an `empty` skip in both. A second
+    whole think block after the first, with nothing else, is still no answer."""
+    spelled = [user("Which tag closes a reasoning block?"), assistant("<think>The tag.</think>\n\nIt is </think>")]
+    rows = [{"messages": spelled}, {"messages": [user("q"), assistant("<think>a</think>\n\n<think>b</think>")]}]
+    chatml = family_tokenizer("chatml")
+    data = load("sft", chatml, path=write_jsonl(tmp_path / "chatml.jsonl", rows))
+    assert data.train.skipped == {"empty": 1} and len(data.train) == 1
+    batch = data.train.batch([0])
+    trained = masked_segments(chatml, batch["responses"][0], batch["response_mask"][0])
+    assert trained == ["<think>The tag.</think>\n\nIt is </think><|im_end|>"]
+    qwen3 = family_tokenizer("qwen3")
+    path = write_jsonl(tmp_path / "qwen3.jsonl", [*rows, {"messages": [user("q"), assistant("ok")]}])
+    assert load("sft", qwen3, path=path).train.skipped == {"template_drops_content": 1, "empty": 1}

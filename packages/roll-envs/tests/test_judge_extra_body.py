@@ -24,6 +24,8 @@ URL = "http://127.0.0.1:9/v1"  # nothing is sent: the errors come before any req
         ({"stream": True}, r"extra_body\.stream"),
         ({"temperature": 0.7}, r"extra_body\.temperature: set env\.reward\.temperature instead"),
         ({"max_tokens": 4096}, r"extra_body\.max_tokens: set env\.reward\.max_tokens instead"),
+        # OpenAI's newer name: vLLM and OpenAI take it over max_tokens, so it overrode env.reward.max_tokens too
+        ({"max_completion_tokens": 4096}, r"extra_body\.max_completion_tokens: set env\.reward\.max_tokens instead"),
         ({"model": "other"}, r"extra_body\.model: set env\.reward\.model instead"),
         ({"chat_template_kwargs": {}}, r"extra_body\.chat_template_kwargs: set env\.reward\.chat_template_kwargs"),
         ({"messages": []}, r"extra_body\.messages: the judge's template writes them"),
@@ -37,13 +39,8 @@ def test_extra_body_fields_that_change_the_reply_are_refused(extra: dict[str, An
 
 
 def test_other_extra_body_fields_are_sent() -> None:
-    reward = JudgeReward(base_url=URL, temperature=0.5, extra_body={"seed": 0, "n": 1, "stream": False, "top_p": 0.9})
-    assert reward.backend.body == {
-        "model": "judge",
-        "max_tokens": 512,
-        "temperature": 0.5,
-        "seed": 0,
-        "n": 1,
-        "stream": False,
-        "top_p": 0.9,
-    }
+    # vLLM's sampling and decoding extras change no judge setting: sent as given
+    vllm = {"top_k": 20, "repetition_penalty": 1.1, "guided_json": {"type": "object"}, "skip_special_tokens": False}
+    extra = {"seed": 0, "n": 1, "stream": False, "top_p": 0.9, **vllm}
+    reward = JudgeReward(base_url=URL, temperature=0.5, extra_body=extra)
+    assert reward.backend.body == {"model": "judge", "max_tokens": 512, "temperature": 0.5, **extra}

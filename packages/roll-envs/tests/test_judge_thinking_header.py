@@ -71,3 +71,28 @@ def test_a_judge_whose_header_opens_nothing_is_read_as_before(monkeypatch: pytes
     reward = _judge(monkeypatch, tmp_path, False, replies)
     res = reward.score(["41", "43"], ["42"] * 2, prompts=["6*7?"] * 2)
     assert res.scores == pytest.approx([0.3, 0.8]) and res.failed == [False, False]
+
+
+@pytest.mark.parametrize("family", ["chatml", "qwen3"])
+def test_a_think_tag_the_judge_template_spells_after_the_response_opens_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, family: str
+) -> None:
+    """Only the chat template's generation header decides (roll_core.thinking.header_opens_think): a judge
+    template whose own text after `{response}` names the tag ("Do not write <think> tags") opened nothing, yet it
+    was read as opening the block, so every plain verdict became unfinished reasoning (invalid, the row failed).
+    Qwen3 with enable_thinking=false closes its header's empty block: no opening either."""
+    from transformers import AutoTokenizer
+
+    tok = family_tokenizer(family)
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda path, **kw: tok if path == str(tmp_path) else None)
+    template = "Reference: {answer}\nResponse: {response}\nDo not write <think> tags. Reply: Score: N (0-10)."
+    kwargs = {"enable_thinking": False} if family == "qwen3" else {}
+    reward = JudgeReward(
+        backend="engine", model=str(tmp_path), template=template, chat_template_kwargs=kwargs, engine={"name": "hf"}
+    )
+    replies = [("Score: 8", "stop"), ("Close. Score: 3", "stop")]
+    encoded = [(tok(text, add_special_tokens=False)["input_ids"], finish) for text, finish in replies]
+    monkeypatch.setattr(reward.backend, "_cls", lambda: lambda **_: _Replies(encoded))
+    res = reward.score(["41", "43"], ["42"] * 2, prompts=["6*7?"] * 2)
+    assert res.scores == pytest.approx([0.8, 0.3]) and res.failed == [False, False]

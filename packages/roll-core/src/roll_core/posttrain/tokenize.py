@@ -28,7 +28,7 @@ SFT / distillation row's trained assistant turn with nothing after its `</think>
 think block `<think>\\n\\n</think>\\n\\n` given as the text, or reasoning without an answer): trained, the model
 learns to end its turn after thinking, without answering (preference rows keep such a response: a rejected one
 is a lesson to unlearn). A text completion without the template (`data.chat_template=false`) is checked alike:
-nothing after its last `</think>` but the eos token's text is an `empty` skip.
+nothing after its first `</think>` (a later whole think block aside) but the eos token's text is an `empty` skip.
 
 Ids after a context (`encode_after`): text is tokenised together with the text before it and the context's own ids
 are taken off, when they are a prefix of the whole's (else, where BPE merges across the boundary, on its own: the ids
@@ -204,12 +204,17 @@ def _leading_specials(with_specials: list[int], text_ids: list[int]) -> list[int
 
 
 def _no_answer(text: str, end: str | None = None) -> bool:
-    """Whether `text` reasons and then says nothing: blank after its last `</think>` (and `end`, the eos token's
-    text a raw completion may close with). Text without `</think>` is left to the blank checks: a `<think>` alone
-    may be a word of an answer."""
+    """Whether `text` reasons and then says nothing: blank after its reasoning (and `end`, the eos token's text a
+    raw completion may close with). Text without `</think>` is left to the blank checks: a `<think>` alone may be
+    a word of an answer. The reasoning ends at the first `</think>` (where a model's own reasoning ends); the
+    answer is what follows it less any later whole `<think>...</think>` block: an answer that spells the tag
+    ("It is </think>") is an answer (read after the last `</think>`, it was an `empty` skip)."""
     if "</think>" not in text:
         return False
-    after = text.rpartition("</think>")[2].strip()
+    after = text.partition("</think>")[2]
+    while (at := after.find("<think>")) >= 0 and (close := after.find("</think>", at)) >= 0:
+        after = after[:at] + after[close + len("</think>") :]
+    after = after.strip()
     return not (after.removesuffix(end).strip() if end else after)
 
 

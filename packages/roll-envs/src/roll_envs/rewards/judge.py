@@ -57,11 +57,11 @@ backend puts it back (a reply cut off while reasoning is truncated, not graded b
 an `openai` server renders the prompt itself, so serve such a judge with its reasoning parser (vLLM's
 `--reasoning-parser`: the reply's content is then the verdict alone, none when cut off while thinking). `extra_body`
 may not hold `n` (several samples: only one reply is read, none are aggregated), `stream`, `messages` or a field of
-the judge's own settings (`temperature`, `max_tokens`, `model`, `chat_template_kwargs`): ConfigErrors. A GPU judge
-engine needs `pipeline.reward_isolation=inline`: the default runs rewards in a forked child, where CUDA fails once
-the worker has initialised it before the fork, and a child cut off by the guard takes its engine with it (the next
-child loads the model again). On CPU the default works: the engine is built in the child, the worker itself never
-loads it.
+the judge's own settings (`temperature`, `max_tokens` or its alias `max_completion_tokens`, `model`,
+`chat_template_kwargs`): ConfigErrors. A GPU judge engine needs `pipeline.reward_isolation=inline`: the default runs
+rewards in a forked child, where CUDA fails once the worker has initialised it before the fork, and a child cut off
+by the guard takes its engine with it (the next child loads the model again). On CPU the default works: the engine
+is built in the child, the worker itself never loads it.
 
 One request per distinct conversation: rows whose rendered messages are identical (the same prompt, answer text,
 reference answer and metadata the template names; a GRPO group repeats responses when the policy is sharp, and two
@@ -176,7 +176,7 @@ class JudgeRewardConfig:
     # Sampling temperature of the judge (0: greedy).
     temperature: float = 0.0
     # openai: extra JSON fields of every request (e.g. +env.reward.extra_body.seed=0); not n, stream, messages or
-    # a field set above (temperature, max_tokens, model, chat_template_kwargs).
+    # a field set above (temperature, max_tokens or max_completion_tokens, model, chat_template_kwargs).
     extra_body: dict[str, Any] = field(default_factory=dict)
     # Keyword arguments of the judge's chat template (e.g. {enable_thinking: false}); openai: sent as
     # chat_template_kwargs (vLLM and SGLang servers read it).
@@ -237,6 +237,9 @@ def _check_settings(s: Mapping[str, Any]) -> None:
 
 #: extra_body keys the backend's own settings send (an extra copy overrode them, or `messages`, silently).
 _OWN_KEYS = ("model", "max_tokens", "temperature", "chat_template_kwargs", "messages")
+#: Other names of those settings: OpenAI's max_completion_tokens wins over max_tokens (vLLM, OpenAI), so it
+#: overrode env.reward.max_tokens silently too.
+_ALIASES = {"max_completion_tokens": "max_tokens"}
 
 
 def _check_extra_body(extra: Mapping[str, Any]) -> None:
@@ -247,6 +250,9 @@ def _check_extra_body(extra: Mapping[str, Any]) -> None:
         if key in extra:
             where = "the judge's template writes them" if key == "messages" else f"set env.reward.{key} instead"
             raise ConfigError(f"env.reward.extra_body.{key}: {where}")
+    for key, setting in _ALIASES.items():
+        if key in extra:
+            raise ConfigError(f"env.reward.extra_body.{key}: set env.reward.{setting} instead (it overrode it)")
     if extra.get("n", 1) != 1:
         raise ConfigError(
             f"env.reward.extra_body.n={extra['n']}: the judge reads one reply per request (several samples are not "

@@ -40,10 +40,11 @@ special. Called by the reward on each field before the template is filled (roll_
   messages with each field written as `FIELD`, rendered with the judge model's chat template: the chat template's
   framing, e.g. a non-thinking header's `<think></think>`, and the judge template's and system prompt's own added
   tokens; turn_text.framing_tokens): a judged field spelling one gets its text ids, the judge's own text its id.
-  A judge model whose generation header opens `<think>` (DeepSeek-R1 distills, QwQ, Qwen3 Thinking-2507: the
-  judge's rendered text after its last judged field leaves the block open) replies inside the block, without the
-  tag: its reply is `<think>` + the text (roll_core.thinking.reply_text), so a reply cut off while reasoning is no
-  verdict (it was read whole: a `Score: 3` of its unfinished reasoning was the row's score).
+  A judge model whose generation header opens `<think>` (DeepSeek-R1 distills, QwQ, Qwen3 Thinking-2507: the chat
+  template's header alone, roll_core.thinking.header_opens_think with the judge's chat template arguments; a tag
+  the judge template's own text names opens nothing) replies inside the block, without the tag: its reply is
+  `<think>` + the text (roll_core.thinking.reply_text), so a reply cut off while reasoning is no verdict (it was
+  read whole: a `Score: 3` of its unfinished reasoning was the row's score).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from typing import Any, Protocol
 from roll_core.agentic.turn_text import SpecialText, framing_tokens
 from roll_core.errors import ConfigError
 from roll_core.interfaces.runtime import check_engine_kwargs
-from roll_core.thinking import THINK_CLOSE, THINK_OPEN, reply_text
+from roll_core.thinking import THINK_CLOSE, THINK_OPEN, header_opens_think, reply_text
 from roll_envs.rewards._special_spellings import SpecialSpellings
 
 Messages = list[dict[str, str]]
@@ -359,11 +360,22 @@ class EngineBackend:
                 raise ConfigError(f"env.reward.model={self.model}: the judge model's tokenizer has no chat template")
             pieces = self._framing_probe(tok)
             # A generation header that opens <think> (R1 distills, QwQ, Qwen3 Thinking-2507): the reply starts
-            # inside the block and carries no opening tag (module docstring). Read from the judge's own text after
-            # its last judged field, never from a field's.
-            self._opens_think = _leaves_open(pieces[-1])
+            # inside the block and carries no opening tag (module docstring). Read from the chat template's header
+            # alone: the judge template's own text after its last field may name the tag ("Do not write <think>").
+            self._opens_think = self._header_opens_think(tok, pieces[-1])
             self._tokenizer, self._special = tok, SpecialText(tok, framing_tokens(tok, pieces))
         return self._special
+
+    def _header_opens_think(self, tok: Any, after_fields: str) -> bool:
+        """Whether the judge's generation header opens `<think>` (roll_core.thinking.header_opens_think, with the
+        judge's messages before its last user turn and its chat template arguments); a template that does not
+        render a message's text verbatim: whether `after_fields` (the rendered text after the last judged field)
+        leaves the block open."""
+        head = self.framing_messages[:-1] if self.framing_messages[-1].get("role") == "user" else self.framing_messages
+        try:
+            return header_opens_think(tok, head, self.chat_template_kwargs)
+        except ValueError:
+            return _leaves_open(after_fields)
 
     def _framing_probe(self, tok: Any) -> list[str]:
         """The text the judge's chat template and its own messages write around the judged fields (module
