@@ -15,12 +15,14 @@ think tags is read whole. (`extract_code` itself reads the text it is given.)
 
 Ground truth (a problem's `answer`) is JSON: `{"tests": [{"input": "...", "output": "..."}, ...]}` (`encode_tests`
 writes it, `parse_tests` reads it). A test passes when the program exits 0 and its stdout equals the expected
-output up to trailing whitespace on each line and trailing blank lines. With `float_tolerance` (off by default),
-outputs are compared token by token instead: the whitespace between tokens and the number of tokens must be equal,
-and two decimal numbers at least one of which has a fraction or exponent match when `math.isclose` with that
-relative and absolute tolerance says so (two integers, and anything else, must be equal as text). Each test runs in
-a fresh sandbox (`roll_envs.sandbox.PythonSandbox`) and the comparison happens here, outside it: a program that
-exits early (`sys.exit(0)`, `os._exit(0)`), patches builtins or kills its parent prints nothing right and scores 0.
+output up to trailing whitespace on each line and trailing blank lines; letter case, leading whitespace and the
+whitespace between tokens count ("YES" is not "yes"; "1 2" is neither "1  2" nor the two lines "1" and "2"). With
+`float_tolerance` (off by default), outputs are compared token by token instead: the whitespace between tokens and
+the number of tokens must be equal, and two decimal numbers at least one of which has a fraction or exponent match
+when `math.isclose` with that relative and absolute tolerance says so (two integers, and anything else, must be
+equal as text). Each test runs in a fresh sandbox (`roll_envs.sandbox.PythonSandbox`) and the comparison happens
+here, outside it: a program that exits early (`sys.exit(0)`, `os._exit(0)`), patches builtins or kills its parent
+prints nothing right and scores 0.
 
 Scoring (per response):
 - `score_mode="all_pass"`: `score` = 1 when every test passes, else 0; the first failing test stops the run.

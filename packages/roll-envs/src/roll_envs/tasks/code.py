@@ -8,11 +8,14 @@ the split does not depend on the seed: the seed picks the variants and the tests
 
 Your data (`path=...`): JSONL, Parquet or a datasets folder (as `FileTask`), one problem per row with a prompt
 (`prompt_key`) and tests (`tests_key`) given as `[{"input": ..., "output": ...}, ...]`, as
-`{"inputs": [...], "outputs": [...]}` (the APPS / TACO layout), or as a JSON string of either. Bad rows (not an
-object, empty prompt, no tests, a test without string input and output, text holding a lone surrogate: a `\\ud800`
-escape in the prompt or a test, a prompt already chat-templated, as env=file checks them) are skipped, counted in
-`skipped` with their row numbers and reasons, and logged; an empty result is an error. The prompt is used as written;
-a prompt given as chat messages is read as env=file reads it (the last user message, the messages before it kept).
+`{"inputs": [...], "outputs": [...]}` (the APPS / TACO layout), or as a JSON string of either. Call-based tests
+(LeetCode style: APPS / TACO's `fn_name`, LiveCodeBench's `"testtype": "functional"`) are not judged: such a row
+is a bad row (a program fed the arguments as stdin, or a `class Solution` printing nothing, could never pass). Bad
+rows (not an object, empty prompt, no tests, a test without string input and output, call-based tests, text holding
+a lone surrogate: a `\\ud800` escape in the prompt or a test, a prompt already chat-templated, as env=file checks
+them) are skipped, counted in `skipped` with their row numbers and reasons, and logged; an empty result is an error.
+The prompt is used as written; a prompt given as chat messages is read as env=file reads it (the last user message,
+the messages before it kept).
 The held-out split is env=file's (base.held_out_split): `eval_path` when given, else a stable hash of the prompt
 below `eval_fraction`; either way a training row that is a held-out row's problem but for whitespace in the prompt
 ("Q?" and "Q?\n") is left out of training, counted in `also_held_out` and logged, so a held-out problem is never
@@ -56,8 +59,10 @@ def parse_row_tests(value: Any) -> list[CodeTest]:
             raise ValueError(f"tests are a string but not JSON ({exc.msg})") from exc
         except RecursionError:  # (nested past the recursion limit: a bare RecursionError named no row)
             raise ValueError("tests are a string but not JSON (nested too deeply)") from None
+    _refuse_call_based(value)
     if isinstance(value, dict) and "tests" in value:
         value = value["tests"]
+        _refuse_call_based(value)
     if isinstance(value, dict):
         inputs, outputs = value.get("inputs"), value.get("outputs")
         if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
@@ -67,6 +72,8 @@ def parse_row_tests(value: Any) -> list[CodeTest]:
         raise ValueError("no tests")
     tests = []
     for i, test in enumerate(value):
+        if isinstance(test, dict) and test.get("testtype") == "functional":  # LiveCodeBench: input = the arguments
+            raise ValueError(f"test {i} is call-based (testtype 'functional'); {_STDIN_ONLY}")
         if not isinstance(test, dict) or not isinstance(test.get("input"), str):
             raise ValueError(f"test {i} has no string 'input'")
         if not isinstance(test.get("output"), str):
@@ -78,6 +85,16 @@ def parse_row_tests(value: Any) -> list[CodeTest]:
                 raise ValueError(f"test {i} {key!r} {bad}")
         tests.append(CodeTest(test["input"], test["output"]))
     return tests
+
+
+_STDIN_ONLY = "only stdin/stdout programs are judged"
+
+
+def _refuse_call_based(value: Any) -> None:
+    """ValueError for APPS / TACO call-based tests (`fn_name`): their inputs are a function's arguments, which a
+    stdin program would be fed as text (and a `class Solution` prints nothing): every response scored wrong."""
+    if isinstance(value, dict) and value.get("fn_name"):
+        raise ValueError(f"tests are call-based (fn_name {value['fn_name']!r}); {_STDIN_ONLY}")
 
 
 def load_code_problems(
