@@ -368,7 +368,9 @@ def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:
             entry is not one of its tokens (a preset of another model family: model=qwen2_5 on a llama checkpoint).
             Both were tracebacks from transformers or the sampling setup after the engine had started. Or a
             model.chat_template_kwargs key that is a likely misspelling of a variable the chat template reads
-            (roll_core.pipelines.template_kwargs; a key it merely does not read is a warning).
+            (roll_core.pipelines.template_kwargs; a key it merely does not read is a warning). Or
+            infer_engine.structured on a chat template whose generation prompt leaves <think> open
+            (roll_core.pipelines.structured_thinking).
     """
     from transformers import AutoTokenizer
 
@@ -384,6 +386,9 @@ def tokenizer_and_sampling(cfg: Any, path: str) -> tuple[Any, Any]:
     from roll_core.pipelines.template_kwargs import check_template_kwargs
 
     check_template_kwargs(tokenizer, cfg.model.chat_template_kwargs, model_path=path)  # a misspelt key was ignored
+    from roll_core.pipelines.structured_thinking import refuse_structured_thinking
+
+    refuse_structured_thinking(tokenizer, cfg, model_path=path)  # a constrained reasoning block never closes
     try:
         return tokenizer, sampling_params(cfg, tokenizer)
     except ValueError as exc:  # a stop token the tokenizer does not have

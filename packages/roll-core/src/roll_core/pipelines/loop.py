@@ -73,6 +73,7 @@ from roll_core.pipelines.run_control import (
     resolve_run_folder,
     set_aside_newer,
 )
+from roll_core.pipelines.structured_thinking import refuse_structured_thinking
 from roll_core.pipelines.template_kwargs import check_config_template_kwargs
 from roll_core.pipelines.trainer import Trainer
 from roll_core.pipelines.wiring import build_roles, check_train_models
@@ -149,6 +150,8 @@ class Pipeline:
         # A key no chat template reads (a misspelt enable_thinking) rendered as undefined, silently ignored: the
         # model's (prompts) and those data.chat_template_kwargs adds (the file-fed pipelines' rows).
         check_config_template_kwargs(self.tokenizer, cfg, model_path=self.model_path)
+        # A constraint on a template that opens <think> would constrain the reasoning: every reply cut off.
+        refuse_structured_thinking(self.tokenizer, cfg, model_path=self.model_path)
         self.task = build(cfg.env)
         # Said before any model loads: a task the collector cannot use, an estimator without the batch's form.
         factory.check(cfg, self.task)
