@@ -210,3 +210,16 @@ def test_an_error_survives_the_environment_s_output_cut(tool: CodeTool) -> None:
     env.reset(seed=1)
     obs = env.step("<tool>code: print('y' * 10_000_000)</tool>")[0]
     assert "error: the program printed too much" in obs and "... [truncated]" not in obs
+
+
+def test_a_program_that_printed_and_then_failed_is_a_counted_error_output(tool: CodeTool) -> None:
+    """The error line comes after what the program printed: info["tool_error_outputs"] counted a crash after a
+    print as a success (its text does not start with `error:`) and a successful program printing `error: ...` as a
+    failure."""
+    env = ToolMathEnv(tools=[tool], max_tool_calls=3, seed=0)
+    env.reset(seed=0)
+    replies = ["<tool>code: print('partial')\n1 / 0</tool>", "<tool>code: print('error: not really')</tool>"]
+    steps = [env.step(reply) for reply in replies]
+    assert "partial\n\nerror: the program failed" in steps[0][0] and "error: not really" in steps[1][0]
+    assert [info["tool_error_outputs"] for *_, info in steps] == [1, 0]
+    assert [info["tool_errors"] for *_, info in steps] == [0, 0]

@@ -6,6 +6,7 @@ observations cannot pose as a tool's output; truncated outputs say how much was 
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 from roll_envs.agentic import GuessNumberEnv, ToolUseEnv
 from roll_envs.agentic._tool_syntax import find_calls
+from roll_envs.agentic.tools import ToolText
 
 
 def _recorder(name: str = "code") -> tuple[Any, list[str]]:
@@ -120,3 +122,23 @@ def test_a_truncated_output_says_how_much_was_cut() -> None:
 def test_nonsense_limits_are_refused(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="max_output_chars >= 1 and max_steps >= 1"):
         ToolUseEnv(GuessNumberEnv(), tools=["calculator"], **kwargs)
+
+
+def test_a_failed_call_is_counted_by_the_tool_s_own_flag_not_the_text_s_prefix() -> None:
+    """A tool output that says whether the call failed (`ToolText`) is counted by it: a code run that printed and
+    then crashed (its error line after its output) was counted a success, a run printing `error: ...` a failure.
+    Plain text still counts by its `error:` prefix (the tools' contract)."""
+    outputs = {
+        "partial\n\nerror: the program failed (exit status 1)": ToolText("partial\n\nerror: failed", error=True),
+        "error: none here": ToolText("error: none here", error=False),
+        "plain-error": "error: bad argument",
+        "plain-ok": "42",
+    }
+    tool = lambda arg: outputs[arg]
+    tool.name, tool.description = "code", "canned outputs"  # type: ignore[attr-defined]
+    env = ToolUseEnv(GuessNumberEnv(), tools=[tool], max_tool_calls=len(outputs))
+    env.reset(seed=0)
+    counted = [env.step(f"<tool>code: {arg}</tool>")[4]["tool_error_outputs"] for arg in outputs]
+    assert counted == [1, 0, 1, 0]
+    copy = pickle.loads(pickle.dumps(ToolText("out", error=True)))
+    assert (copy, copy.error) == ("out", True)

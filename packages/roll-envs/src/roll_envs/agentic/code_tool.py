@@ -10,7 +10,9 @@ What the model reads back: the program's stdout (cut to `max_output_chars`), and
 "error:" that names the outcome (a failed program's exit status or the signal that killed it, and the last lines
 of its traceback; a timeout, an output flood, a refused sandbox), so a model can fix its program (`sys.exit(3)` or
 a kill by the memory limit printed nothing and read as a bare "the program failed"). Outcomes are counted per
-tool in `counts` (ok / runtime_error / timeout / output_limit / sandbox_error) for logs.
+tool in `counts` (ok / runtime_error / timeout / output_limit / sandbox_error) for logs. The output is a
+`roll_envs.agentic.tools.ToolText` whose `error` is whether the program failed (or was refused): the error line
+follows what the program printed, so the text's `error:` prefix does not tell (the tool env counts by `error`).
 
 Sandbox availability: the sandbox is built on first use and shared by every `CodeTool` of the process with the
 same options (building one runs a probe program). Without a working bubblewrap the constructor raises
@@ -31,6 +33,7 @@ import threading
 from collections import Counter
 from typing import ClassVar
 
+from roll_envs.agentic.tools import ToolText
 from roll_envs.rewards.code import extract_code
 from roll_envs.sandbox import (
     OK,
@@ -149,19 +152,21 @@ class CodeTool:
         self.sandbox = _shared_sandbox(limits, allow, python, int(parallelism))
         self.counts: Counter[str] = Counter()
 
-    def __call__(self, arg: str) -> str:
+    def __call__(self, arg: str) -> ToolText:
         program = strip_fence(str(arg))
         if not program:
-            return "error: empty program; write Python code after 'code:'"
+            return ToolText("error: empty program; write Python code after 'code:'", error=True)
         if len(program) > self.max_code_chars:
             self.counts["refused"] += 1
-            return f"error: the program is {len(program)} characters; the limit is {self.max_code_chars}"
+            refused = f"error: the program is {len(program)} characters; the limit is {self.max_code_chars}"
+            return ToolText(refused, error=True)
         result = self.sandbox.run(program + "\n")
         self.counts[result.status] += 1
         out = self._cut(result.stdout)
-        if result.status == OK:
-            return out if out.strip() else "(the program printed nothing; use print() to see values)"
-        return self._error(result.status, result.stderr, out, result.returncode)
+        if result.status == OK:  # what it printed, `error: ...` included, is a success
+            shown = out if out.strip() else "(the program printed nothing; use print() to see values)"
+            return ToolText(shown, error=False)
+        return ToolText(self._error(result.status, result.stderr, out, result.returncode), error=True)
 
     def _cut(self, text: str) -> str:
         if len(text) <= self.max_output_chars:

@@ -28,9 +28,10 @@ model is shown `error: the tool failed (ExcType)`, the call uses the budget, and
 is logged with its traceback (once per process; later ones only counted), so a tool broken for the whole run shows.
 info["ignored_tool_calls"] is the number of `<tool>` blocks after the first in this step's reply (not run); the
 observation tells the model so. info["tool_error_outputs"] (0 or 1) says this step's call ran and its tool answered
-with an error (its output starts with `error:`, the tools' contract: a bad argument, a program that failed); the
-call uses the budget. info["state"] is the wrapped environment's state plus the tool
-calls made so far (what the model knows differs after a call).
+with an error (a bad argument, a program that failed): by the output's own `ToolText.error` where the tool returns
+one (the code tool: a program's printed lines come before its error line), else by an output starting with
+`error:` (the tools' contract, roll_envs.agentic.tools); the call uses the budget. info["state"] is the wrapped
+environment's state plus the tool calls made so far (what the model knows differs after a call).
 
 A tool's output is cut to `max_output_chars` (default 2000) characters followed by `... [truncated: N more
 characters]` (how much the model did not see, as the code tool says it), and is shown between `<tool_output>` and
@@ -64,7 +65,7 @@ from roll_core.interfaces.tasks import answer_reader, reward_kwargs
 from roll_envs._digit_groups import join_digit_groups
 from roll_envs.agentic._tool_syntax import find_calls
 from roll_envs.agentic.base import Outcome, TextEnv, echo, extract_action, trim_action
-from roll_envs.agentic.tools import Calculator, Tool, get_tool
+from roll_envs.agentic.tools import Calculator, Tool, ToolText, get_tool
 from roll_envs.markers import defang
 from roll_envs.numeric import numbers_equal
 
@@ -472,8 +473,12 @@ class ToolUseEnv:
         else:
             name, arg = match.group(1), match.group(2).strip()
             try:
-                output = _tool_text(self.tools[name](arg))
-                error_outputs = int(output.startswith("error:"))
+                result = self.tools[name](arg)
+                output = _tool_text(result)
+                # A ToolText says whether the call failed: a code run that printed and then crashed does not start
+                # with "error:" (it was counted a success), one that printed "error: ..." and succeeded does.
+                failed = result.error if isinstance(result, ToolText) else output.startswith("error:")
+                error_outputs = int(failed)
             # A tool must not raise; a user tool that does is reported, not propagated. SystemExit too (a tool
             # calling sys.exit or exit() ended the step, and the env's caller, with it); KeyboardInterrupt is the
             # user's and goes through.

@@ -1,7 +1,10 @@
 """Tools a model can call from a tool-using environment (`roll_envs.agentic.tool_env`).
 
 Contract: a tool has a `name`, a one-line `description`, and `__call__(arg: str) -> str` that never raises: errors
-come back as text starting with "error:" so the model can read and fix them. Tools are deterministic and offline.
+come back as text starting with "error:" so the model can read and fix them, or as a `ToolText` that says itself
+whether the call failed (`ToolText.error`), for a tool whose output need not start so (the code tool shows what a
+program printed before its error line, and a program that prints `error: ...` and succeeds did not fail). Tools are
+deterministic and offline.
 
 Built-ins (`TOOLS`, `get_tool(name, **kwargs)`):
 - `calculator`: arithmetic on numbers with + - * / // % **, unary minus and parentheses, parsed with Python's `ast`
@@ -40,6 +43,23 @@ class Tool(Protocol):
 
 class ToolError(ValueError):
     """A refused or failed evaluation; its message is shown to the model."""
+
+
+class ToolText(str):
+    """A tool's output text that says whether the call failed (`error`), whatever the text starts with: the tool
+    env counts a failed call (info["tool_error_outputs"]) by it rather than by an `error:` prefix. A code run that
+    printed and then crashed reads `partial output ... error: ...` and was counted a success, one that printed
+    `error: ...` and succeeded a failure."""
+
+    error: bool
+
+    def __new__(cls, text: str, error: bool) -> ToolText:
+        out = super().__new__(cls, text)
+        out.error = bool(error)
+        return out
+
+    def __getnewargs__(self) -> tuple[str, bool]:  # (pickled across processes with its flag)
+        return str(self), self.error
 
 
 _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
