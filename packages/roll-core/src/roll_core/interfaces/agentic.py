@@ -19,7 +19,8 @@ Info keys roll reads (all optional):
 - `tool_calls` (int): tool calls made in this step;
 - the counters of `INFO_COUNTERS` (int >= 0 each, this step's count): `tool_errors` (a tool raised),
   `ignored_tool_calls` (calls after the first of one reply, not run) and `tool_error_outputs` (a tool answered
-  `error: ...`; roll_envs.agentic.tool_env). Roll sums each over an episode (`Trajectory.counters`) and logs its mean
+  a failure: its `ToolText` flag, else text starting `error: `; roll_envs.agentic.tool_env). Roll sums each over
+  an episode (`Trajectory.counters`) and logs its mean
   per episode as `episode/<name>_mean` (`eval/<name>_mean` for held-out episodes), as it does `tool_calls`
   (`episode/tool_calls_mean`). A count (these or `tool_calls`) that is not a whole number >= 0 (a bool counts as
   0/1, None as 0) is a ValueError naming the key: the env manager fails the step as an env_error.
