@@ -93,3 +93,32 @@ def test_what_may_train_reaches_the_cluster(build, tmp_path: Path, overrides: li
     mistral = _folder(tmp_path, "mistral", "MistralConfig", sliding_window=8)
     with pytest.raises(_ClusterStarted):
         build(*(o.format(mistral=mistral) for o in overrides))
+
+
+def test_a_teacher_megatron_cannot_convert_names_its_distill_key(build, tmp_path: Path) -> None:
+    """Routed teachers of on-policy distillation, one of them a model the engine maps and one it does not: the
+    refusal names the distill key that gave it (it said "teacher domain_code's model", no key to set)."""
+    gemma = _folder(tmp_path, "gemma", "GemmaConfig")
+    routed = f"+distill.teachers={{math: 'builtin:tiny', code: '{gemma}'}}"
+    with pytest.raises(ConfigError, match=rf"^distill\.teachers\.code={gemma}: .* model_type='gemma'"):
+        build("train_engine=megatron", "model=tiny", "pipeline=distill", "distill.teacher=builtin:tiny", routed)
+    with pytest.raises(ConfigError, match=rf"^distill\.teacher={gemma}: .* model_type='gemma'"):
+        build("train_engine=megatron", "model=tiny", "pipeline=distill_offline", f"distill.teacher={gemma}")
+
+
+def test_a_config_without_model_type_is_not_sent_to_another_engine(build, tmp_path: Path) -> None:
+    """config.json without model_type: no transformers AutoConfig reads it (short of remote code), so "train it with
+    train_engine=hf or fsdp2" (as for a type Megatron does not map) was wrong advice: it says what is missing."""
+    import json
+
+    import transformers
+
+    folder = _folder(tmp_path, "llama", "LlamaConfig")
+    config = json.loads((folder / "config.json").read_text())
+    del config["model_type"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="model_type"):  # (what every engine's AutoConfig says of it)
+        transformers.AutoConfig.from_pretrained(folder)
+    with pytest.raises(ConfigError, match=rf"model\.path={folder}: {folder / 'config.json'} sets no model_type") as e:
+        build("train_engine=megatron", f"model.path={folder}")
+    assert "add the model's model_type" in str(e.value)

@@ -152,7 +152,7 @@ def check_train_models(cfg: RLVRConfig, needs: RoleNeeds) -> None:
     if needs.critic:
         models.setdefault(algo.critic_model_path or model.path, "algo.critic_model_path")
     for name, path in needs.teachers.items():
-        models.setdefault(path, f"teacher {name}'s model")
+        models.setdefault(path, _teacher_key(name))
     for path, key in models.items():
         folder = _local_model_folder(path)
         if folder is None:
@@ -161,6 +161,16 @@ def check_train_models(cfg: RLVRConfig, needs: RoleNeeds) -> None:
             cfg.train_engine.check_model(str(folder))
         except ConfigError as exc:
             raise ConfigError(f"{key}={path}: {exc}") from exc
+
+
+def _teacher_key(name: str) -> str:
+    """The config key that gives teacher `name` its model (distill.teacher_paths names them): `default` is
+    distill.teacher, `domain_<d>` distill.teachers.<d>; another objective's teacher by its name."""
+    if name == "default":
+        return "distill.teacher"
+    if name.startswith("domain_"):
+        return f"distill.teachers.{name.removeprefix('domain_')}"
+    return f"teacher {name}'s model"
 
 
 def _local_model_folder(path: str) -> Path | None:

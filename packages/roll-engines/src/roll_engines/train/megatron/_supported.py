@@ -157,6 +157,12 @@ def check_model_folder(
         kind = json.loads(path.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError) as exc:
         raise ConfigError(f"{path} is no readable model config (JSON object): {exc}") from exc
+    if not isinstance(kind, str):  # "not model_type=None: train it with hf" sent a config no engine reads to hf
+        raise ConfigError(
+            f"{path} sets no model_type: train_engine=megatron maps {', '.join(SUPPORTED)} models by it, and "
+            "transformers' AutoConfig reads a config.json without one only through its auto_map's remote code "
+            "(model.trust_remote_code, train_engine=hf or fsdp2): add the model's model_type to its config.json"
+        )
     if kind not in SUPPORTED:  # refused by its type alone: transformers may not even know it
         check_supported(SimpleNamespace(model_type=kind), tp, pp, ep, sequence_parallel)
     from transformers import AutoConfig
