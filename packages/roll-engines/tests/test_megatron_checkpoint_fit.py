@@ -82,6 +82,6 @@ def test_an_adapter_of_another_rank_names_the_settings_to_resume_with(tiny: str,
         engine.load(saved["lora"])
     message = str(refused.value)
     assert "adapter r=4, lora_alpha=8.0; this run has lora_rank=8, lora_alpha=8.0" in message
-    assert "Resume with train_engine.lora_rank=4 and lora_alpha=8.0" in message
+    assert "Resume with train_engine.lora_rank=4 and train_engine.lora_alpha=8.0" in message
     assert f"model.path={saved['lora'] / 'model'}" in message
     assert _fresh(engine)

@@ -324,7 +324,7 @@ def load_adapter(model: Any, hf_config: Any, folder: Path, rank: int, alpha: flo
         raise ValueError(
             f"{folder}: adapter r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}; this run has "
             f"lora_rank={rank}, lora_alpha={alpha}. Resume with train_engine.lora_rank={saved.get('r')} and "
-            f"lora_alpha={saved.get('lora_alpha')}, or start a new run from its merged weights "
+            f"train_engine.lora_alpha={saved.get('lora_alpha')}, or start a new run from its merged weights "
             f"(model.path={folder.parent / 'model'})"
         )
     # peft options that change what an adapter computes, which these wrappers (alpha / r, one A per fused layer,
