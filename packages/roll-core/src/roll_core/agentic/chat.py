@@ -97,7 +97,10 @@ _ASSISTANT = "\u2063ROLL-ASSISTANT\u2063"
 _USER = "\u2063ROLL-USER\u2063"
 _UNTRUSTED = "\u2063ROLL-UNTRUSTED\u2063"  # the sentinel message whose framing `framing_tokens` reads
 _FIRST_USER = "x"  # the placeholder conversation's first query (templates that need one before an assistant turn)
-_AFTER_ASSISTANT = ("user", "tool", "system")
+#: The roles whose framing after an assistant turn `_framing_probe` reads: the chat roles, and the tool-result and
+#: instruction roles of tool-calling templates (Llama 3.1's `ipython`, GLM's `observation`, OpenAI's legacy `function`
+#: and its `developer`), each where the template renders it. A continuation may hold any role but `assistant`.
+_AFTER_ASSISTANT = ("user", "tool", "system", "developer", "function", "ipython", "observation")
 #: End-of-turn tokens a family's template writes instead of its usual one (keyed by that one), e.g. Llama 3.1's
 #: `<|eom_id|>` after a built-in tool call: the model samples it, and nothing else closes that turn.
 ALT_TURN_ENDS: dict[str, tuple[str, ...]] = {"<|eot_id|>": ("<|eom_id|>",)}
@@ -186,10 +189,13 @@ class TurnTemplate:
         """(before, after): the text a template renders up to the end of an assistant turn's content (a
         placeholder), and after it when `messages` follow it, up to and including the next generation header."""
         for m in messages:
-            if m.get("role") not in _AFTER_ASSISTANT:
+            # any other role is rendered as the template renders it (an SFT row's ipython / observation tool
+            # results between trained turns were refused); one it cannot render is the ValueError below
+            if m.get("role") == "assistant" or not isinstance(m.get("role"), str) or not m["role"]:
                 raise ValueError(
-                    f"a continuation holds {', '.join(_AFTER_ASSISTANT)} messages, not {m.get('role')!r}: an "
-                    "assistant turn that was not sampled starts a new trajectory (initial_messages)"
+                    f"a continuation holds the messages that follow a sampled turn (user, tool, system, ...), not "
+                    f"{m.get('role')!r}: an assistant turn that was not sampled starts a new trajectory "
+                    "(initial_messages)"
                 )
         convo = [{"role": "user", "content": _FIRST_USER}, {"role": "assistant", "content": _ASSISTANT}, *messages]
         try:
@@ -261,7 +267,8 @@ class TurnTemplate:
         response_ids: Sequence[int] | None = None,
     ) -> list[int]:
         """Ids appended after a sampled assistant turn (kept as sampled): the rest of that turn's closing the model
-        did not generate, then `messages` (user / tool / system, several at once), then the next generation header.
+        did not generate, then `messages` (user / tool / system, or any other role but assistant the template renders:
+        Llama 3.1's ipython, GLM's observation; several at once), then the next generation header.
 
         `response_ids` are the sampled ids: when they end with a turn-end token or another special token (an eos of
         the model's generation config, see the module docstring) that the closing starts with (after whitespace),

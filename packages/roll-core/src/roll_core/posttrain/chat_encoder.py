@@ -35,6 +35,14 @@ name more often with them. Probe results are looked up by the template the token
 call's `arguments` given as JSON text is parsed to the object it spells when the template `tojson`s arguments
 (Qwen2.5's, Llama 3.1's): rendered as given, the model would learn escaped JSON in a string; text that is not JSON
 is then a `wrong_type` skip. Templates that write text arguments as they are (Qwen3's, DeepSeek's) get the text.
+
+Roles other than system / user / assistant / tool (Llama 3.1's `ipython` and GLM's `observation` tool results,
+OpenAI's legacy `function` results and its `developer`, a data set's own role) are context wherever they stand, in
+the prompt or between trained turns, as a `tool` message is (mask 0, never trained); the content of a tool result
+(`TOOL_RESULT_ROLES`) is untrusted text in the prompt too (roll_core.agentic.chat: a special token it spells is
+text). Each row holding such a role is rendered once with their contents replaced by sentinels, up to its last
+trained turn: a template that raises on the role (Qwen's, Gemma's after an assistant turn) or drops it (renders no
+sentinel) is a `template_drops_role` skip naming the role, not a `template_error`, nor a row trained without it.
 """
 
 from __future__ import annotations
@@ -50,7 +58,13 @@ from roll_core.errors import ConfigError
 from roll_core.posttrain.row_values import blank, tool_call_names
 from roll_core.posttrain.rows import SkipRow
 
-__all__ = ["ChatEncoder"]
+__all__ = ["TOOL_RESULT_ROLES", "ChatEncoder"]
+
+#: Roles whose messages are a tool's output (OpenAI's `tool` and legacy `function`, Llama 3.1's `ipython`, GLM's
+#: `observation`): untrusted text in a prompt, as between turns (module doc).
+TOOL_RESULT_ROLES = ("tool", "function", "ipython", "observation")
+_TEMPLATE_ROLES = ("system", "user", "assistant", "tool")  # the roles every chat template is written for
+_ROLE_SENTINEL = "\u2063ROLL-ROLE-{}\u2063"
 
 _PLACEHOLDER = "\u2063ROLL-SFT-ASSISTANT\u2063"
 _ARGS_PROBE = '{"roll_probe": 1}'  # tool-call arguments as text: a template that tojsons them writes them quoted
@@ -246,6 +260,41 @@ class ChatEncoder:
         word = "|".join(re.escape(n) for n in names)
         return any(n in given for n in names) or re.search(rf"(?<![\w-])(?:{word})(?![\w-])", template) is not None
 
+    def _check_roles(self, context: list[dict[str, Any]], tools: Any) -> None:
+        """A `template_drops_role` skip when the template does not render a message of a role other than
+        `_TEMPLATE_ROLES` in `context` (the conversation before the last trained turn): rendered with each such
+        message's content a sentinel, it raises (and renders those messages as user turns), or leaves a sentinel
+        out. A template that raises either way is left to `encode` (its `template_error`: not the role's doing)."""
+        odd = [i for i, m in enumerate(context) if m["role"] not in _TEMPLATE_ROLES]
+        if not odd:
+            return
+        roles = sorted({context[i]["role"] for i in odd})
+        probe = [{**m, "content": _ROLE_SENTINEL.format(i)} if i in odd else m for i, m in enumerate(context)]
+        try:
+            text = self._render(probe, True, tools)
+        except Exception as exc:
+            as_user = [{"role": "user", "content": m["content"]} if i in odd else m for i, m in enumerate(probe)]
+            try:
+                self._render(as_user, True, tools)
+            except Exception:
+                return
+            raise SkipRow(
+                "template_drops_role",
+                f"the chat template cannot render a message of role {' or '.join(map(repr, roles))} here "
+                f"({type(exc).__name__}: {str(exc)[:120]}; the row renders with user turns in their place). Use a "
+                "template that renders the role (Llama 3.1's renders ipython tool results, GLM's observation ones), "
+                "or write the messages in a role this one renders ('tool' for a tool's output)",
+            ) from None
+        dropped = [i for i in odd if _ROLE_SENTINEL.format(i) not in text]
+        if dropped:
+            i = dropped[0]
+            raise SkipRow(
+                "template_drops_role",
+                f"the chat template drops message {i} of role {context[i]['role']!r} (it renders no turn for it): "
+                "trained without it, the model would answer a context it was never shown. Use a template that "
+                "renders the role, or write the messages in a role this one renders ('tool' for a tool's output)",
+            )
+
     def encode(
         self, messages: list[dict[str, Any]], trained: list[bool], tools: Any = None
     ) -> tuple[list[int], list[int], list[int]]:
@@ -261,8 +310,9 @@ class ChatEncoder:
         if first == 0:
             raise SkipRow("no_prompt", "the conversation starts with the assistant turn to train: it has no prompt")
         clean = [self._parse_arguments({k: v for k, v in m.items() if k not in ("train", "weight")}) for m in messages]
+        self._check_roles(clean[:last], tools)
         try:
-            prompt = self.turns.initial_messages(clean[:first], tools)
+            prompt = self.turns.initial_messages(clean[:first], tools, untrusted_roles=TOOL_RESULT_ROLES)
             if tools and not self._prompt_has_tools(clean[:first], tools, prompt):
                 raise SkipRow(
                     "template_drops_tools",

@@ -159,6 +159,16 @@ class PostTrainData:
         return out
 
     @property
+    def other_roles(self) -> dict[str, int]:
+        """Examples of `data.path` and `data.eval_path` with turns of a role roll does not know (role -> examples:
+        `RowSource.other_roles`, rendered as untrained context), as `skipped_rows` sums their skips: the run
+        summary's `other_roles`."""
+        out = dict(self.train.other_roles)
+        for role, n in (self.eval.other_roles if self.eval is not None else {}).items():
+            out[role] = out.get(role, 0) + n
+        return dict(sorted(out.items()))
+
+    @property
     def also_held_out(self) -> int | None:
         """Training examples whose prompt a held-out example has too (`_count_shared_prompts`): kept and trained
         on, unlike the RLVR tasks' (which leave them out), since evaluating on training rows may be the point; so
