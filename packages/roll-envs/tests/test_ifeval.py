@@ -77,7 +77,8 @@ def test_words_keep_their_combining_marks() -> None:
     word of those scripts fell apart into pieces ("नमस्ते दुनिया" was 5 words, "สวัสดีครับ" 4)."""
     assert words("नमस्ते दुनिया") == ["नमस्ते", "दुनिया"]
     assert words("สวัสดีครับ") == ["สวัสดีครับ"]  # Thai writes no spaces: one run, as Chinese
-    assert words("cafe\u0301 noir") == ["cafe\u0301", "noir"]
+    assert words("cafe\u0301 noir") == ["caf\u00e9", "noir"]  # read composed (NFKC, module docstring)
+    assert words("q\u0301 noir") == ["q\u0301", "noir"]  # no precomposed letter: the mark stays on the word
     assert check(C({"type": "word_count", "max": 2}), "नमस्ते दुनिया")
     # A keyword is a whole word: "ki" is not in "kílo" (decomposed), "नमस" not in "नमस्ते".
     assert not check(C({"type": "keywords", "include": ["ki"]}), "ki\u0301lo")

@@ -31,13 +31,16 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
 - A *paragraph* is a piece of the text between blank lines (lines empty or whitespace only, a no-break space
   included) holding a word.
 - A *bullet* is a line whose first non-blank character is `-` or `*`, followed by a space or tab and then text that
-  is not only dashes and asterisks: "- milk" and "  * eggs" (nested bullets count too) are bullets; "**bold**",
-  "-5 degrees", "---" and "- - -" are not; numbered items are not.
+  is not only dashes, asterisks, blanks and invisible characters: "- milk" and "  * eggs" (nested bullets count
+  too) are bullets; "**bold**", "-5 degrees", "---", "- - -" and "- \\u200b" are not; numbered items are not.
 - *keywords* / *forbidden*: a whole-word (or whole-phrase) match, case-insensitive: "very" is not in "everything";
-  a space in a phrase matches any run of whitespace, line breaks included.
+  a space in a phrase matches any run of whitespace, line breaks included. A match may not touch a word: the
+  character before it is no letter, digit or mark, nor a joiner (`'`, `’`, `-`) after one, nor (before a digit)
+  a `.`/`,` after a digit; likewise after it ("known" is not in "well-known", "3" not in "3.14", "C++" not in
+  "C++11").
 - *Case-insensitive* means Unicode's full case folding (`str.casefold`), as starts_with and ends_with compare:
   "straße" is "STRASSE" (what `str.upper` makes of it, so a keyword survives an all-capitals answer), and a
-  dotted "İ" is an "i".
+  dotted "İ" or a dotless "ı" is an "i".
 - *json*: the response, stripped of surrounding whitespace and optionally of one enclosing ```json (```JSON,
   ```Json or ```; on its own lines or on one) fence,
   parses as a JSON object holding every listed key at its top level; nothing may precede or follow it.
@@ -52,8 +55,23 @@ Definitions (what each checker counts; tests/test_ifeval.py checks each by hand)
   trailing sentence-ending punctuation (the `.`, `!`, `?`, `…`, `।`, `॥`, `؟`, `。`, `！` and `？` that end a
   sentence) is ignored on both sides ("that is all." ends with "That is all", "谢谢。" with "谢谢"); anything
   else after the phrase (a `)`, an emoji) is not: the answer must end with it.
-- Text is compared in Unicode's composed form (NFC): a keyword "café" typed with a combining accent is the same
-  word as the precomposed one.
+- *Invisible characters do not count*: format characters (Unicode category Cf: zero-width space, non-joiner and
+  joiner, soft hyphen, BOM, word joiner, direction marks, tags, ...) and the other characters Unicode marks
+  default-ignorable (variation selectors, the combining grapheme joiner, the Hangul fillers) are dropped before
+  words, sentences, paragraphs, a bullet's text, keywords, first/last phrases and quotation are read: "ve\\u200bry"
+  is the word "very" (a forbidden word cannot hide behind one, nor a word count grow by one), a Persian word
+  written with a zero-width non-joiner is one word, and a line holding only a zero-width space is blank.
+- *Compatibility forms read as what they stand for* (NFKC, after the invisibles are dropped) wherever words are
+  counted or matched (word_count, keywords, forbidden, starts_with, ends_with) and for no_commas: fullwidth
+  "ｖｅｒｙ" is "very", the ligature "ﬁ" is "fi", a superscript "²" or circled "①" is a digit ("x²" is the one
+  word "x2"), "½" is "1⁄2" (two words, as "1/2" is), "™" is the word "TM", "🄂" holds a comma ("1,"), and a
+  decomposed accent is composed (a keyword "café" typed with a combining accent is the precomposed word).
+  Sentence ends, paragraphs, bullets, case and json read the characters as written: "你好！谢谢" stays two
+  sentences (NFKC would make `！` a `!`, which ends one only before a space), modifier letters "ᴴᴵ" are
+  lowercase as `str.islower` reads them, and a JSON key is the exact string a JSON parser reads (an invisible
+  character before or inside the object breaks it, as it breaks the parser).
+- *Look-alike letters of other scripts are not folded* (no homoglyph table): "vеry" with a Cyrillic "е" is not
+  "very", since a real multilingual answer writes Cyrillic and a fold would merge distinct words.
 - *no_commas*: no comma of any script: no punctuation mark (Unicode category Po) that Unicode names a comma:
   `,`, the fullwidth `，`, the ideographic `、` (Japanese's comma), the Arabic `،`, the small `﹐`, ...
 - *quotation*: the stripped response starts and ends with a double quote (" or “ ”) and holds a word inside.
@@ -79,39 +97,18 @@ from __future__ import annotations
 import json
 import logging
 import re
-import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# Re-exported: the reading rules live in _ifeval_text (this module documents them).
+from roll_envs.rewards._ifeval_text import COMMAS, count_phrase, fold, has_word, inside_word, plain, visible, words
 from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.rewards.judge import final_text
 
 log = logging.getLogger(__name__)
 
 
-def _unicode_classes() -> tuple[str, frozenset[str]]:
-    """A regex character class of every Unicode combining mark (categories Mn, Mc, Me), which `\\w` leaves out:
-    without them a Devanagari or Thai word, or a decomposed accent, falls apart into pieces; and every comma
-    (punctuation, category Po, that Unicode names a comma: "ARABIC COMMA", "IDEOGRAPHIC COMMA", ...)."""
-    ranges: list[list[int]] = []
-    commas = set()
-    for cp in (*range(0x30000), *range(0xE0000, 0xE1000)):  # no mark or comma lies elsewhere
-        category = unicodedata.category(chr(cp))
-        if category.startswith("M"):
-            if ranges and ranges[-1][1] == cp - 1:
-                ranges[-1][1] = cp
-            else:
-                ranges.append([cp, cp])
-        elif category == "Po" and "COMMA" in unicodedata.name(chr(cp), ""):
-            commas.add(chr(cp))
-    return "[" + "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in ranges) + "]", frozenset(commas)
-
-
-_M, COMMAS = _unicode_classes()
-#: A letter or digit with the marks on it (marks and `[^\W_]` are disjoint, so the nesting cannot backtrack).
-_WC = rf"[^\W_]{_M}*"
-_WORD = re.compile(rf"(?:{_WC})+(?:(?:['’-]|(?<=\d)[.,](?=\d))(?:{_WC})+)*")
 # A sentence end: terminal punctuation (and closing quotes/brackets) before whitespace or the end; or a line break.
 _SENTENCE_END = re.compile(r"[.!?…।॥؟]+[\"'”’)\]]*(?=\s|$)|[。！？]+[\"'”’)\]」』]*|\n")
 _BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
@@ -124,19 +121,16 @@ _TRAILING_STOPS = ".!?…।॥؟。！？"
 _QUOTES = '"“”'
 
 
-def words(text: str) -> list[str]:
-    """The words of `text` (see the module docstring)."""
-    return _WORD.findall(text)
-
-
 def sentences(text: str) -> list[str]:
-    """The sentences of `text` that hold a word, stripped, without their ending punctuation (module docstring)."""
-    return [s.strip() for s in _SENTENCE_END.split(text) if _WORD.search(s)]
+    """The sentences of `text` that hold a word, stripped, without their ending punctuation (module docstring).
+    Invisible characters are dropped first: a zero-width space after a full stop must not hide a sentence end."""
+    return [s.strip() for s in _SENTENCE_END.split(visible(text)) if has_word(s)]
 
 
 def paragraphs(text: str) -> list[str]:
-    """The paragraphs of `text` (pieces between blank lines) that hold a word, stripped."""
-    return [p.strip() for p in _BLANK_LINE.split(text) if _WORD.search(p)]
+    """The paragraphs of `text` (pieces between blank lines) that hold a word, stripped; a line holding only
+    invisible characters is blank."""
+    return [p.strip() for p in _BLANK_LINE.split(visible(text)) if has_word(p)]
 
 
 def bullets(text: str) -> list[str]:
@@ -144,21 +138,10 @@ def bullets(text: str) -> list[str]:
     out = []
     for line in text.splitlines():
         m = _BULLET.fullmatch(line)
-        if m and m.group(1).strip(" \t-*"):
+        # Markdown sees no bullet after an invisible character, but "- \u200b" shows an empty bullet.
+        if m and visible(m.group(1)).replace("-", "").replace("*", "").strip():
             out.append(m.group(1).strip())
     return out
-
-
-def count_phrase(text: str, phrase: str) -> int:
-    """Whole-word, case-insensitive occurrences of `phrase` in `text` (non-overlapping; any run of whitespace in
-    the text matches a space of the phrase)."""
-    text, phrase = _fold(text), _fold(phrase)
-    body = r"\s+".join(re.escape(part) for part in phrase.split())
-    # Words as `words` reads them: "well-known", "don't" and "3.14" are one word, so "known" is not in
-    # "well-known" nor "3" in "3.14".
-    before = rf"(?<![^\W_])(?<!{_M})(?<![^\W_]['’-])(?<!{_M}['’-])(?!(?<=\d[.,])\d)"
-    after = rf"(?![^\W_])(?!{_M})(?!['’-][^\W_])(?!(?<=\d)[.,]\d)"
-    return len(re.findall(before + body + after, text, re.IGNORECASE))
 
 
 def json_object(text: str) -> dict[str, Any] | None:
@@ -186,7 +169,7 @@ def _int(c: Mapping[str, Any], key: str, low: int = 0) -> int:
 
 def _text(c: Mapping[str, Any], key: str) -> str:
     value = c[key]
-    if not isinstance(value, str) or not _WORD.search(value):
+    if not isinstance(value, str) or not has_word(value):
         raise ValueError(f"{key!r} must be text holding a word, got {value!r}")
     return value
 
@@ -199,6 +182,13 @@ def _texts(c: Mapping[str, Any], key: str, *, allow_empty: bool = False) -> list
         if not isinstance(v, str) or not v.strip():
             raise ValueError(f"{key!r} must hold non-empty texts, got {v!r}")
     return value
+
+
+def _phrases(c: Mapping[str, Any], key: str) -> None:
+    """Keywords: texts that hold something visible (one of invisible characters alone would match nothing)."""
+    for v in _texts(c, key):
+        if not fold(v).strip():
+            raise ValueError(f"{key!r} must hold visible texts, got {v!r}")
 
 
 def bounds(c: Mapping[str, Any]) -> tuple[int, int | None]:
@@ -241,42 +231,14 @@ def _mode(c: Mapping[str, Any]) -> None:
 
 
 def _keywords(c: Mapping[str, Any]) -> None:
-    _texts(c, "include")
+    _phrases(c, "include")
     if "min_count" in c:
         _int(c, "min_count", low=1)
 
 
-def _word_char(ch: str) -> bool:
-    """A character inside a word: a letter, a digit or a combining mark (see `words`)."""
-    return ch.isalnum() or unicodedata.category(ch).startswith("M")
-
-
-def _joiner(text: str, j: int) -> bool:
-    """Whether `text[j]` joins two parts of one word as `words` reads it ("don't", "well-known", "3.14")."""
-    if not 0 < j < len(text) - 1:
-        return False
-    if text[j] in "'’-":
-        return _word_char(text[j - 1]) and text[j + 1].isalnum()
-    return text[j] in ".," and text[j - 1].isdecimal() and text[j + 1].isdecimal()
-
-
-def _inside_word(text: str, k: int) -> bool:
-    """Whether the cut before `text[k]` falls inside one word (module docstring): "Don" is not the first word of
-    "Don't", nor "all" the last of "over-all", as keywords read them."""
-    return 0 < k < len(text) and (
-        (_word_char(text[k - 1]) and _word_char(text[k])) or _joiner(text, k) or _joiner(text, k - 1)
-    )
-
-
-def _fold(text: str) -> str:
-    """`text` composed (NFC) and fully case-folded ("ß" is "ss", as "STRASSE" is). Folding turns "İ" into "i" and
-    a combining dot, which would keep "İstanbul" from matching "istanbul": that dot is dropped (an "i" has one)."""
-    return unicodedata.normalize("NFC", unicodedata.normalize("NFC", text).casefold()).replace("i\u0307", "i")
-
-
 def _folded(text: str) -> str:
-    """`_fold`, stripped, each run of whitespace one space (an invisible difference must not decide a match)."""
-    return " ".join(_fold(text).split())
+    """`fold`, stripped, each run of whitespace one space (an invisible difference must not decide a match)."""
+    return " ".join(fold(text).split())
 
 
 def _bodies(response: str) -> set[str]:
@@ -289,7 +251,7 @@ def _starts(response: str, phrase: str) -> bool:
     phrase = _folded(phrase)
     # Whole words: the phrase may not end inside a word of the text ("Sure" vs "Surely", "Don" vs "Don't").
     return bool(phrase) and any(
-        text.startswith(phrase) and not _inside_word(text, len(phrase)) for text in _bodies(response)
+        text.startswith(phrase) and not inside_word(text, len(phrase)) for text in _bodies(response)
     )
 
 
@@ -297,7 +259,7 @@ def _ends(response: str, phrase: str) -> bool:
     phrase = _folded(phrase).rstrip(_TRAILING_STOPS).rstrip()
     for text in _bodies(response):
         text = text.rstrip(_TRAILING_STOPS).rstrip()
-        if phrase and text.endswith(phrase) and not _inside_word(text, len(text) - len(phrase)):
+        if phrase and text.endswith(phrase) and not inside_word(text, len(text) - len(phrase)):
             return True
     return False
 
@@ -308,8 +270,8 @@ def _case(response: str, mode: str) -> bool:
 
 
 def _quoted(response: str) -> bool:
-    text = response.strip()
-    return len(text) >= 2 and (text[0], text[-1]) in (('"', '"'), ("“", "”")) and bool(_WORD.search(text[1:-1]))
+    text = visible(response).strip()
+    return len(text) >= 2 and (text[0], text[-1]) in (('"', '"'), ("“", "”")) and has_word(text[1:-1])
 
 
 def _quote_list(items: Sequence[str]) -> str:
@@ -362,7 +324,7 @@ KINDS: dict[str, Kind] = {
         _describe_keywords,
     ),
     "forbidden": Kind(
-        frozenset({"words"}), _NONE, lambda c: _texts(c, "words"),
+        frozenset({"words"}), _NONE, lambda c: _phrases(c, "words"),
         lambda c, r: not any(count_phrase(r, w) for w in c["words"]),
         lambda c: f"Do not use the {'words' if len(c['words']) > 1 else 'word'} {_quote_list(c['words'])}.",
     ),
@@ -385,7 +347,7 @@ KINDS: dict[str, Kind] = {
         lambda c: f'End your answer with the {"word" if len(words(c["phrase"])) == 1 else "phrase"} "{c["phrase"]}".',
     ),
     "no_commas": Kind(
-        _NONE, _NONE, lambda c: None, lambda c, r: COMMAS.isdisjoint(r),
+        _NONE, _NONE, lambda c: None, lambda c, r: COMMAS.isdisjoint(plain(r)),
         lambda c: "Do not use any commas.",
     ),
     "quotation": Kind(
@@ -403,11 +365,18 @@ IFEVAL_HINT = (
 )
 
 
+_IFEVAL_ID = r"[a-z_-]+:[a-z_]+"
+# Text that is only IFEval ids, bare or in a list that is not JSON: "punctuation:no_comma", a Python list's repr
+# "['startend:quotation']", ids separated by commas. (An id ends where a separator must follow: no backtracking.)
+_SEP = r"[\s\[\]'\",]"
+_IFEVAL_IDS_TEXT = re.compile(rf"{_SEP}*{_IFEVAL_ID}(?:{_SEP}+{_IFEVAL_ID})*{_SEP}*")
+
+
 def _ifeval_shaped(value: Any) -> bool:
     """Whether `value` looks like IFEval's instruction ids or an {instruction_id(_list), kwargs} object."""
     items = value if isinstance(value, list) else [value]
     return any(
-        (isinstance(v, str) and re.fullmatch(r"[a-z_-]+:[a-z_]+", v))
+        (isinstance(v, str) and re.fullmatch(_IFEVAL_ID, v))
         or (isinstance(v, Mapping) and ({"instruction_id", "instruction_id_list"} & set(v)))
         for v in items
     )
@@ -442,6 +411,8 @@ def parse_constraints(value: Any) -> list[dict[str, Any]]:
         try:
             value = json.loads(value)
         except (ValueError, RecursionError):
+            if _IFEVAL_IDS_TEXT.fullmatch(value):
+                raise ValueError(f"{IFEVAL_HINT}; got {value[:80]!r}") from None
             raise ValueError(f"constraints are not JSON: {value[:60]!r}") from None
     if _ifeval_shaped(value):
         raise ValueError(f"{IFEVAL_HINT}; got {str(value)[:80]!r}")
