@@ -48,8 +48,9 @@ run ends (they stay in the run folder's metrics.jsonl and samples.jsonl; MLflow 
 more; what still cannot be sent is written to `<run>/mlflow/unsent.json` (an error names it) and sent when the run
 resumes in the same folder. A refusal that is not a network problem (an invalid value) raises: resending would not help.
 A store on this machine's disk that cannot be written (the run folder's SQLite store or artifacts, a `file:` or
-`sqlite:` URI: a read-only folder, a full disk; roll_core.trackers.mlflow_http.local_failure) is neither: it is said
-once, as an error naming the error, what is buffered is dropped, and this
+`sqlite:` URI: a read-only folder, a full disk; roll_core.trackers.mlflow_http.local_failure), or the run folder's
+record of the run (run.json, unsent.json), is neither: it is said once, as an error naming the error, what is
+buffered is dropped, and this
 attempt sends MLflow nothing more; training goes on, metrics.jsonl keeps every step, and a resume of the run (once the
 store can be written) sends the steps MLflow lacks. (It was taken for an outage: resent for the whole run, with
 "not answering" warnings.)
@@ -168,6 +169,7 @@ class MlflowTracker(MlflowResume, MlflowClose):
         self.outage_dropped = Dropped()  # what this outage dropped (its warnings)
         self._reported = [0, 0]  # the failures and dropped counts last buffered as metrics
         self.store_failure: str | None = None  # a local store that cannot be written: nothing more is sent (`_broken`)
+        self.state_said = False  # a run.json the resume cannot use was warned about (`_recorded`)
         # A resumed run whose MLflow run is not open yet: the recorded run is valid up to this step (`_open`).
         self.resume_step: int | None = None
         self.seen_step = -1  # the last step given to this backend while its run is not open
@@ -228,20 +230,40 @@ class MlflowTracker(MlflowResume, MlflowClose):
         tags = {**self.options.tags, "roll.run_dir": str(self.run_dir.resolve())}
         if resumed_from is not None:
             tags["roll.resumed_from"] = resumed_from
+        run = None
         try:
             with self._http():
                 run = self.client.create_run(self._experiment_id(), run_name=self.name, tags=tags)
                 # a store other run folders share: the experiment's location is the folder of the job that made it
                 own_artifacts(self.client, run, self.dir / "artifacts")
         except Exception as exc:
+            if run is not None:  # created, but not the run's to use: it stayed RUNNING beside the one a retry makes
+                self._end_unused(run.info.run_id)
             error = Unreachable if is_network_error(exc) else RuntimeError
             message = f"MLflow at {self.shown_uri}: cannot start the run ({redact_text(str(exc))})"
             raise error(message) from redact_exception(exc)  # MLflow's message names the URI with its userinfo
+        before = (self.run_id, self.last_step, self.held_step, self.tables)
         self.run_id, self.last_step, self.held_step, self.tables = run.info.run_id, -1, -1, []
+        try:
+            self._save_state()
+        except OSError as exc:  # no resume would find the run (run.json names the one before): ended, not used
+            self.run_id, self.last_step, self.held_step, self.tables = before
+            self._end_unused(run.info.run_id)
+            raise RuntimeError(f"MLflow: cannot record the run in {self.dir / STATE_FILE} ({exc})") from exc
         self.pending_params = flatten_config(redact_config(self.config))
         self.pending_artifacts["config.yaml"] = self._config_text()
-        self._save_state()
         self._flush(final=True)
+
+    def _end_unused(self, run_id: str) -> None:
+        """End a run `_start` created and cannot use (its artifacts' location or run.json could not be set), best
+        effort: KILLED and moved to MLflow's deleted runs (restorable); it holds no data, and left as it was it
+        showed RUNNING for good, one more for each retry of the start."""
+        try:
+            with self._http():
+                self.client.set_terminated(run_id, "KILLED")
+                self.client.delete_run(run_id)
+        except Exception as exc:
+            log.warning("MLflow: run %s, created but not used, could not be ended (%s)", run_id, redact_text(str(exc)))
 
     def _config_text(self) -> str:
         """The config.yaml artifact: the run folder's file (else the config), credentials redacted."""
@@ -256,6 +278,17 @@ class MlflowTracker(MlflowResume, MlflowClose):
         return OmegaConf.to_yaml(OmegaConf.create(redacted))
 
     # ---- state and buffer files ------------------------------------------------------------------------------
+    def _keep_state(self) -> bool:
+        """`_save_state`; False when run.json cannot be written (a full disk, a read-only folder): said once as the
+        store's failure is (`_broken`), never raised into training. run.json then names at most what the server
+        holds, so a resume sends the steps MLflow lacks."""
+        try:
+            self._save_state()
+        except OSError as exc:
+            self._broken(exc)
+            return False
+        return True
+
     def _save_state(self) -> None:
         state = {"tracking_uri": self.shown_uri, "run_id": self.run_id, "last_step": self.held_step}
         state["local"] = self.local_store
@@ -266,7 +299,10 @@ class MlflowTracker(MlflowResume, MlflowClose):
     def _pending(self) -> bool:
         return bool(self.pending_params or self.pending_tags or self.pending_metrics or self.pending_artifacts)
 
-    def _save_unsent(self) -> None:
+    def _save_unsent(self) -> bool:
+        """Keep the buffer in unsent.json for the next attempt (the module docstring); False when it cannot be
+        written (said once, `_broken`): run.json then names only what the server holds, and a resume sends the
+        rest from metrics.jsonl."""
         unsent = {
             "run_id": self.run_id,
             "params": self.pending_params,
@@ -274,11 +310,22 @@ class MlflowTracker(MlflowResume, MlflowClose):
             "metrics": self.pending_metrics,
             "artifacts": self.pending_artifacts,
         }
-        tmp = self.dir / (UNSENT_FILE + ".tmp")
-        tmp.write_text(json.dumps(unsent))
-        tmp.replace(self.dir / UNSENT_FILE)
-        self.held_step = self.last_step  # kept for the next attempt
-        self._save_state()
+        tmp, held = self.dir / (UNSENT_FILE + ".tmp"), self.held_step
+        try:
+            tmp.write_text(json.dumps(unsent))
+            tmp.replace(self.dir / UNSENT_FILE)
+            self.held_step = self.last_step  # kept for the next attempt
+            self._save_state()
+        except OSError as exc:
+            # run.json names only the steps the server holds: unsent.json's points, loaded too, would be sent twice
+            self.held_step = held
+            try:
+                (self.dir / UNSENT_FILE).unlink(missing_ok=True)
+            except OSError:
+                pass  # (the write failed first: nothing of this attempt's is in it)
+            self._broken(exc)
+            return False
+        return True
 
     # ---- sending ---------------------------------------------------------------------------------------------
     def _send(self) -> None:
@@ -311,7 +358,10 @@ class MlflowTracker(MlflowResume, MlflowClose):
             del self.pending_artifacts[path]
 
     def _flush(self, *, final: bool = False) -> bool:
-        """Send what is buffered unless a recent failure says to wait (`final`: try now); True when all is sent."""
+        """Send what is buffered unless a recent failure says to wait (`final`: try now); True when all is sent.
+        Nothing after a local store's failure (`_broken`)."""
+        if self.store_failure is not None:
+            return False
         if not self._pending() or (not final and time.monotonic() < self.retry_at):
             return not self._pending()
         try:
@@ -331,7 +381,7 @@ class MlflowTracker(MlflowResume, MlflowClose):
         (self.dir / UNSENT_FILE).unlink(missing_ok=True)
         if self.held_step != self.last_step:
             self.held_step = self.last_step
-            self._save_state()
+            return self._keep_state()
         return True
 
     def _outage(self, exc: BaseException, waiting: str) -> None:
@@ -355,18 +405,24 @@ class MlflowTracker(MlflowResume, MlflowClose):
             )
 
     def _broken(self, exc: BaseException) -> None:
-        """(A local store that cannot be written, `local_failure`: resending would not help.) Say it once, as an
-        error, drop what is buffered and send nothing more in this attempt; training goes on.
-        run.json names only the steps the store took, so a resume of the run sends the others from metrics.jsonl."""
+        """(A local store that cannot be written, `local_failure`, or the run folder's record of the run: resending
+        would not help.) Say it once, as an error, drop what is buffered and send nothing more in this attempt;
+        training goes on. run.json names only the steps the store took, so a resume of the run sends the others
+        from metrics.jsonl."""
         cause = local_failure(exc) or exc
-        self.store_failure = redact_text(f"{type(cause).__name__}: {cause}")
         self.dropped += len(self.pending_metrics)
         self.pending_params, self.pending_tags, self.pending_metrics, self.pending_artifacts = {}, {}, [], {}
+        if self.store_failure is not None:  # said already
+            return
+        self.store_failure = redact_text(f"{type(cause).__name__}: {cause}")
+        name = Path(str(getattr(cause, "filename", None) or "")).name
+        record = next((f for f in (STATE_FILE, UNSENT_FILE) if name.startswith(f)), None)  # (or its .tmp)
+        what = f"the store at {self.shown_uri}" if record is None else str(self.dir / record)
         log.error(
-            "MLflow: the store at %s cannot be written (%s): not a network failure, so not retried; MLflow gets "
-            "nothing more from this attempt (it lacks the steps after %d), training goes on; %s keeps every step, "
-            "and a resume of this run sends the missing ones once the store can be written",
-            *(self.shown_uri, self.store_failure, self.held_step, self.run_dir / "metrics.jsonl"),
+            "MLflow: %s cannot be written (%s): not a network failure, so not retried; MLflow gets nothing more "
+            "from this attempt (it lacks the steps after %d), training goes on; %s keeps every step, and a resume "
+            "of this run sends the missing ones once it can be written",
+            *(what, self.store_failure, self.held_step, self.run_dir / "metrics.jsonl"),
         )
 
     def _bound_buffer(self) -> None:
@@ -458,21 +514,19 @@ class MlflowTracker(MlflowResume, MlflowClose):
     # ---- what the worker runs --------------------------------------------------------------------------------
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         """Buffer the metrics at `step` and send the buffer (a network failure keeps it for later)."""
-        if self.store_failure is not None or not self._ensure_run(step):
-            return  # metrics.jsonl holds the step: sent when the MLflow run opens
+        if not self._ensure_run(step):
+            return  # metrics.jsonl holds the step: sent when the MLflow run opens (or by a resume: `_broken`)
         self._add_metrics(step, metrics)
         self._counts(step)
-        self._save_state()
-        if not self._flush():
+        if self._keep_state() and not self._flush():
             self._bound_buffer()
 
     def _samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Log the rows as the table artifact `samples/step_<step>.json`."""
-        if self.store_failure is not None or not self._ensure_run(step):
-            return  # samples.jsonl holds the rows: sent when the MLflow run opens
+        if not self._ensure_run(step):
+            return  # samples.jsonl holds the rows: sent when the MLflow run opens (or by a resume: `_broken`)
         self._add_samples(step, rows)
-        self._save_state()
-        if not self._flush():
+        if self._keep_state() and not self._flush():
             self._bound_buffer()
 
 

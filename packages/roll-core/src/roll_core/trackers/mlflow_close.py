@@ -44,7 +44,7 @@ class MlflowClose:
     `name`, `dir`, `run_dir`, `shown_uri`, `client`, `run_id`, `resume_step`, `seen_step`, `last_step`, `failures`,
     `dropped`, `_reported`, `store_failure`, the `pending_*` buffer, `_worker`, `_backlog`, `_end`, `_requests_by`,
     `_abandoned`, `end_delivery`) and its calls (`_timestamp`, `_open`, `_flush`, `_counts`, `_http`, `_save_unsent`,
-    `_dropped_summary`)."""
+    `_dropped_summary`, `_end_later`)."""
 
     def close(self, failed: bool | None = None) -> None:
         """Run `_close` after the queued calls (the run ends FAILED when `failed`; None: whether an exception
@@ -113,7 +113,13 @@ class MlflowClose:
         """(Closing) The server was not told that the run ended: record its status in END_FILE and deliver it from a
         thread of its own (roll_core.trackers.mlflow_end); what the closing message adds about it."""
         status, end_time = self._end
-        record = record_end(self.dir, str(self.run_id), status, end_time)
+        kept = f"{self.dir / END_FILE}: retried while this process lives, else set when this run resumes"
+        try:
+            record = record_end(self.dir, str(self.run_id), status, end_time)
+        except OSError as exc:  # the run folder cannot be written: delivered all the same, from memory
+            record = {"run_id": str(self.run_id), "status": status, "end_time": end_time}
+            kept = f"{self.dir / END_FILE} cannot be written ({exc}): retried while this process lives, else set when "
+            kept += "this run resumes"
         self.end_delivery = deliver_end(
             self.client,
             self.dir,
@@ -122,10 +128,7 @@ class MlflowClose:
             retry_interval_s=self.options.retry_interval_s,
             shown_uri=self.shown_uri,
         )
-        return (
-            f"; run {self.run_id} shows RUNNING until the server takes its status {status} ({self.dir / END_FILE}: "
-            "retried while this process lives, else set when this run resumes)"
-        )
+        return f"; run {self.run_id} shows RUNNING until the server takes its status {status} ({kept})"
 
     def _close(self, failed: bool) -> None:
         """Send what is buffered and end the run (FAILED when `failed`: `_end`); what cannot be sent goes to
@@ -133,8 +136,8 @@ class MlflowClose:
         A resumed run whose MLflow run never opened tries once more to open it and send its steps."""
         if self._abandoned:  # `close()` gave up waiting and said what is not sent
             return
-        broken = self.store_failure is not None  # a local store that cannot be written: said, nothing is buffered
-        if not broken and self.run_id is None and self.resume_step is not None and not self._open(self.seen_step):
+        opening = self.store_failure is None and self.run_id is None and self.resume_step is not None
+        if opening and not self._open(self.seen_step) and self.store_failure is None:
             self.resume_step = None
             log.error(
                 "MLflow at %s did not answer: this attempt's steps (up to %d) are not in MLflow; a resume of this run "
@@ -144,10 +147,12 @@ class MlflowClose:
             )
         if self.run_id is None:
             return
-        sent = broken or self._flush(final=True)
-        if not broken and [self.failures, self.dropped] != self._reported:
+        # A local store that cannot be written, or run.json (`_broken`): said once, nothing is buffered
+        sent = self.store_failure is not None or self._flush(final=True)
+        if self.store_failure is None and [self.failures, self.dropped] != self._reported:
             self._counts(self.last_step)  # the counts go with the last data
             sent = sent and self._flush(final=True)
+        sent = sent or self.store_failure is not None  # (a flush above found it: the same)
         if self._abandoned:  # `close()` gave up meanwhile, and said what is not sent
             return
         if sent:
@@ -158,8 +163,13 @@ class MlflowClose:
                 ending = self._end_later() if is_network_error(exc) else ""  # a refusal: resending would not help
                 log.warning("MLflow: could not mark run %s as ended (%s)%s", self.run_id, redact_text(str(exc)), ending)
         else:
-            self._save_unsent()
+            kept = self._save_unsent()  # False: said (`_broken`), a resume sends the steps from metrics.jsonl
             self._dropped_summary(log.error)
+            if not kept:
+                ending = self._end_later()
+                log.warning("MLflow at %s did not answer: the run's end is not told%s", self.shown_uri, ending)
+                self.run_id = None
+                return
             log.error(
                 "MLflow at %s did not answer: %d metric points of run %s are in %s, sent when this run resumes "
                 "(metrics.jsonl holds them too)%s",

@@ -18,6 +18,10 @@ the steps up to `last_step` it lacks (an attempt that ran without mlflow, or die
 counts only the steps the server acknowledged or unsent.json (UNSENT_FILE) keeps, and a continued run loads
 unsent.json first).
 
+A run.json the resume cannot use (cut by a crash of an attempt that wrote it in place, its `run_id` or `last_step`
+missing or of another type) is warned about once, naming it, and taken for none: a new MLflow run replays the run
+folder's steps (the run it recorded, if any, is left as it is). It raised into training.
+
 A resumed run whose server does not answer goes on without it: a warning says so (counted as a failed send), and
 the MLflow run is opened (continued or replaced, as above) at a later log once the server answers (`_ensure_run`),
 then sent the steps it lacks from metrics.jsonl.
@@ -60,9 +64,9 @@ LOCAL_DB = "/mlflow/mlflow.db"
 
 class MlflowResume:
     """The resume methods of `MlflowTracker` (the module docstring). They use the tracker's state (`run_id`,
-    `last_step`, `held_step`, `resume_step`, `seen_step`, `retry_at`, the `pending_*` buffer, `tables`, `keys`) and
-    its calls (`_start`, `_http`, `_flush`, `_outage`, `_broken`, `_save_state`, `_config_text`, `_add_metrics`,
-    `_add_samples`)."""
+    `last_step`, `held_step`, `resume_step`, `seen_step`, `retry_at`, `store_failure`, `state_said`, the `pending_*`
+    buffer, `tables`, `keys`) and its calls (`_start`, `_http`, `_flush`, `_outage`, `_broken`, `_keep_state`,
+    `_config_text`, `_add_metrics`, `_add_samples`)."""
 
     def _start_over(self) -> None:
         """Start the MLflow run of a run that starts at step 0 (not resumed), and retire the earlier attempt's run
@@ -111,7 +115,8 @@ class MlflowResume:
             # The open run is valid up to `last_step` only: run.json says so before the new run starts, so a resume
             # after a failed start (below, or a crash) replaces it (continued, it showed the redone steps' old values)
             self.held_step = min(self.held_step, last_step)
-            self._save_state()
+            if not self._keep_state():  # said once (`_broken`): nothing more is sent
+                return
             try:
                 self._start(resumed_from=old)
             except Unreachable as exc:  # opened at a later log, as a resumed run whose server did not answer
@@ -130,22 +135,23 @@ class MlflowResume:
             return
         self.resume_step = last_step if self.resume_step is None else min(self.resume_step, last_step)
         self.seen_step = last_step
-        self._open(last_step)
+        if self.store_failure is None:  # (else said once, `_broken`: a later resume opens it)
+            self._open(last_step)
 
     def _open(self, upto: int) -> bool:
         """Open a resumed run's MLflow run: the recorded one when it holds nothing after `resume_step`, else a new
         one; then send it the steps up to `upto` it lacks, from the run folder's files. False (counted, warned once)
         when the server does not answer: the steps wait in metrics.jsonl, and a log after `retry_at` tries again."""
         assert self.resume_step is not None
-        path = self.dir / STATE_FILE
-        state = json.loads(path.read_text()) if path.exists() else None
+        state = self._recorded()
         same_store = state is not None and recorded_store_is_this(state, self.uri, self.shown_uri, self.local_store)
         try:
             recorded = int(state["last_step"]) if same_store else None
             if recorded is not None and recorded <= self.resume_step and self._continue(str(state["run_id"]), recorded):
                 self.resume_step = None
                 self.last_step = self.held_step = int(state["last_step"])
-                self._save_state()
+                if not self._keep_state():  # said once (`_broken`); a resume sends the steps
+                    return False
                 reopened(self.dir, str(state["run_id"]))  # the run goes on: its old end is moot
                 for _, metrics in kept_metrics(self.run_dir, self.held_step):  # the names its keys have there
                     self.keys.names_of(metrics)
@@ -167,15 +173,48 @@ class MlflowResume:
         self._replay(upto)
         return True
 
+    def _recorded(self) -> dict[str, Any] | None:
+        """run.json's record for `_open`; None when there is none, or none it can use (cut by a crash of an attempt
+        that wrote it in place, a `run_id` or `last_step` missing or of another type): warned about once, naming
+        the file, and the resume starts a new run that is sent the folder's steps, as for a folder without a record.
+        (It raised into training: a ValueError, a KeyError.)"""
+        path = self.dir / STATE_FILE
+        if not path.exists():
+            return None
+        try:
+            state = json.loads(path.read_text())
+            bad = None if isinstance(state, dict) else f"not an object: {type(state).__name__}"
+        except (OSError, ValueError) as exc:
+            state, bad = None, f"{type(exc).__name__}: {exc}"
+        if bad is None:
+            run_id, last_step = state.get("run_id"), state.get("last_step")
+            if not isinstance(run_id, str) or not run_id:
+                bad = f"run_id is {run_id!r}"
+            elif not isinstance(last_step, int) or isinstance(last_step, bool):
+                bad = f"last_step is {last_step!r}"
+        if bad is None:
+            return state
+        if not self.state_said:
+            self.state_said = True
+            log.warning(
+                "MLflow: %s cannot be used (%s): this resumed run starts a new MLflow run, sent the run folder's "
+                "steps from metrics.jsonl (the run it recorded, if any, is left as it is)",
+                *(path, redact_text(bad)[:300]),
+            )
+        return None
+
     def _ensure_run(self, step: int) -> bool:
         """Whether the MLflow run is open to log `step`; a resumed run's is opened here when `truncate` did not
-        (it was not called, or the server did not answer: tried again once `retry_at` has passed)."""
+        (it was not called, or the server did not answer: tried again once `retry_at` has passed). Never after a
+        local store's failure (`_broken`): nothing more is sent."""
+        if self.store_failure is not None:
+            return False
         if self.run_id is not None:
             return True
         if self.resume_step is None:  # a resumed run logged without truncating first: keep what precedes this step
             self.resume_step = step - 1
         self.seen_step = max(self.seen_step, step)
-        return time.monotonic() >= self.retry_at and self._open(step - 1)
+        return time.monotonic() >= self.retry_at and self._open(step - 1) and self.store_failure is None
 
     def _continue(self, run_id: str, recorded: int) -> bool:
         """Continue the recorded run; False when the store no longer has it (deleted or another store), or when it
