@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -208,6 +209,18 @@ def test_compare_every_checkpoint_of_the_run(run: Path, capsys: pytest.CaptureFi
                 assert stored[name] == pytest.approx(value, abs=1e-9), (model, kind, group, name)
                 checked += 1
     assert checked >= 2 * 5 * 11
+    # step_2 minus step_1, problem by problem (the same problems: asserted above), with the differences' error
+    (paired,) = payload["paired"]
+    assert (paired["model"], paired["baseline"], paired["problems"]) == ("step_2", "step_1", len(per_model["step_1"]))
+    scores = {
+        (m, i): _recompute([r for r in rows if r["model"] == m and r["index"] == i], ks)
+        for m in ("step_1", "step_2")
+        for i in per_model[m]
+    }
+    for name in ("accuracy", *(f"pass@{k}" for k in ks), "maj"):
+        diffs = [scores[("step_2", i)][name] - scores[("step_1", i)][name] for i in per_model["step_1"]]
+        assert paired[name] == pytest.approx(statistics.mean(diffs), abs=1e-9), name
+        assert paired[f"{name}_stderr"] == pytest.approx(statistics.stdev(diffs) / math.sqrt(len(diffs)), abs=1e-9)
     overall = {m["label"]: m["metrics"] for m in payload["models"]}
     # the numbers say something: some responses are right, and pass@k grows with k
     assert any(0 < m["accuracy"] < 1 for m in overall.values()), overall

@@ -14,8 +14,10 @@ Outputs, in the `--out` folder (one engine start per model, written after all mo
 - `comparison.csv`: one row per (model, breakdown, group): `all/all`, `domain/<d>`, `difficulty/<d>`, with every
   metric of roll_core.eval_metrics.summarize, the standard errors over problems (`accuracy_stderr`,
   `pass@k_stderr`, `maj_stderr`) beside their metrics; `comparison.json`: the same per model, with the call's
-  settings; `comparison.md`: the overall table and the per-domain / per-difficulty accuracy tables, accuracy, pass@k
-  and maj@n shown as `mean ± standard error`.
+  settings and, with several models, `paired`: each later model's paired difference from the first over the
+  problems both were scored on (roll_core.eval_paired); `comparison.md`: the overall table, the per-domain /
+  per-difficulty accuracy tables and the paired differences, accuracy, pass@k and maj@n shown as
+  `mean ± standard error`.
 - `comparison.png` (needs matplotlib, roll-core[track]): accuracy, maj@n and pass@k against the checkpoint step
   (or the model's position when not every model is a checkpoint), and pass@k against k per model, each point with
   its standard error bar.
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from roll_core.errors import ConfigError
+from roll_core.eval_paired import paired_differences, paired_section
 
 log = logging.getLogger(__name__)
 
@@ -416,11 +419,13 @@ def write_outputs(
     warnings = problem_set_notes(results)
     for note in warnings:
         log.warning("%s", note)
+    paired = paired_differences(results, ks)  # each model minus the first, per problem (roll_core.eval_paired)
     payload = {
         **settings,
         "ks": ks,
         "n": n,
         "warnings": warnings,
+        "paired": paired,
         "models": [
             {
                 "label": t.label,
@@ -453,6 +458,7 @@ def write_outputs(
         "",
         breakdown_table(results, "by_difficulty", "accuracy"),
         "",
+        *paired_section(paired, ks, n),
     ]
     paths["md"] = out / "comparison.md"
     replace_file(paths["md"], "\n".join(md))  # (UTF-8: the ± of the tables)

@@ -46,7 +46,8 @@ Contract:
   sampling order; `maj_split_grades` counts the problems where a scored group's grades disagreed (a warning says
   so). `failure(refused, unscored)` gives a row's `failed` field and `counted_correct(row)` its correctness in
   these metrics; a training run's eval/accuracy counts with both. `breakdown(rows, key, ks, same_answer=None)` is
-  `summarize` per value of a row field (domain, difficulty).
+  `summarize` per value of a row field (domain, difficulty); `problem_scores` gives each problem's own scores, the
+  values `summarize` averages (what roll_core.eval_paired pairs between models).
 - Uncertainty: `summarize` gives `accuracy_stderr`, `pass@k_stderr` and `maj_stderr`, the standard error of each
   mean over the P problems, `std_error(x) = s / sqrt(P)` with `s = sqrt(sum((x_i - mean)^2) / (P - 1))` the sample
   standard deviation of the per-problem scores x_i (a problem's mean correctness, its pass@k, its majority vote's
@@ -449,6 +450,25 @@ def summarize(
         out["maj_split_grades"] = splits
     else:
         out["maj"] = out["maj_stderr"] = out["maj_ties"] = out["maj_split_grades"] = None
+    return out
+
+
+def problem_scores(
+    rows: Sequence[Mapping[str, Any]], ks: Sequence[int], same_answer: SameAnswer | None = None
+) -> dict[Any, dict[str, float | None]]:
+    """Each problem's own scores, keyed by its `index`: the values `summarize` averages over problems, counted as it
+    counts them (`graded_row`, `counted_correct`): "accuracy" (its mean correctness), "pass@k" per k (None for a k
+    above its sample count) and "maj" (its majority vote's score, a tie's share of right answers; None when no row
+    carries an extracted answer field). What paired differences between models read (roll_core.eval_paired)."""
+    rows = [graded_row(r) for r in rows]
+    votes = any("extracted" in r for r in rows)
+    out: dict[Any, dict[str, float | None]] = {}
+    for index, samples in _group(rows).items():
+        size, right = len(samples), sum(counted_correct(r) > 0 for r in samples)
+        scores: dict[str, float | None] = {"accuracy": sum(counted_correct(r) for r in samples) / size}
+        scores.update({f"pass@{k}": pass_at_k(size, right, k) if k <= size else None for k in ks})
+        scores["maj"] = _majority_hit(samples, same_answer)[0] if votes else None
+        out[index] = scores
     return out
 
 

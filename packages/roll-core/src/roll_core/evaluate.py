@@ -61,6 +61,7 @@ from roll_core.eval_metrics import (
     failure,
     graded_row,
     memoized,
+    problem_scores,
     rate_stderr,
     summarize,
 )
@@ -232,6 +233,8 @@ def evaluate_model(cfg: Any, samples: int | None = None, n: int = 1, ks: Sequenc
         "skipped_by_reason": skipped,
         "reward_counters": counters,
         "rows": rows,
+        # each problem's own scores, maj@n's with `same` too: what paired differences between models read
+        "per_problem": problem_scores(rows, ks, same),
     }
 
 

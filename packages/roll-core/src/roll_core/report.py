@@ -356,8 +356,10 @@ def write_eval_report(
 ) -> Path:
     """Write `<out>/report.md` for a roll-eval call: settings, warnings (`notes`: checkpoints evaluated under other
     settings than their run's, roll_core.eval_compare.run_settings_notes; models scored on different problems,
-    roll_core.eval_compare.problem_set_notes), comparison table, breakdowns, plot, files."""
+    roll_core.eval_compare.problem_set_notes), comparison table, breakdowns, paired differences (several models:
+    roll_core.eval_paired), plot, files."""
     from roll_core.eval_compare import breakdown_table, problem_set_notes, table
+    from roll_core.eval_paired import paired_differences, paired_section
 
     ks, n = settings["ks"], settings["n"]
     lines = ["# Evaluation report", "", f"- command: `{shlex.join(argv)}`"]
@@ -392,6 +394,7 @@ def write_eval_report(
     lines += ["## Results", "", table(results, ks, n), ""]
     lines += ["## Accuracy per domain", "", breakdown_table(results, "by_domain", "accuracy"), ""]
     lines += ["## Accuracy per difficulty", "", breakdown_table(results, "by_difficulty", "accuracy"), ""]
+    lines += paired_section(paired_differences(results, ks), ks, n)  # each model minus the first, per problem
     if "png" in files:
         lines += ["## Plot", "", f"![comparison]({files['png'].name})", ""]
     lines += ["## Files", ""]
