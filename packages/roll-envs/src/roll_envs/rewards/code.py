@@ -1,12 +1,15 @@
 """Code reward: the model's last ```python block runs on each test's stdin in a sandbox; stdout is compared outside.
 
 The program (`extract_code`): the last complete fenced block tagged python/py/python3 (the first word of the info
-string, any case), else the last complete untagged block, else none (`no_code`). Fences are Markdown's (CommonMark):
-an opening fence is a line of up to 3 spaces, N >= 3 backticks and an info string without backticks; the block ends
-at the next line holding only up to 3 spaces, >= N backticks and whitespace. A ``` elsewhere (in a string literal,
-after code on a line) is part of the program. An unclosed block (a truncated response) runs to the end of the
-response and is not a program; complete blocks before it still count. Up to as many spaces as the opening fence is
-indented are removed from each line of the program (a fence inside a list item).
+string, any case), else the last complete untagged block, else none (`no_code`). Fences are Markdown's (CommonMark,
+`roll_envs.rewards._fences` has the details): an opening fence is a line of up to 3 spaces past the content column
+of the list item it is in (`1. ` puts it at 3, so a fence under it may be indented 3 to 6 spaces), N >= 3 backticks
+and an info string without backticks; the block ends at the next line holding only spaces (as many), >= N backticks
+and whitespace. A line indented 4 spaces past its container is an indented code block, which is text: code merely
+indented, or a fence inside such a block, is no program. A ``` elsewhere (in a string literal, after code on a
+line) is part of the program. An unclosed block (a truncated response) runs to the end of the response and is not
+a program; complete blocks before it still count. Up to as many spaces as the opening fence is indented are
+removed from each line of the program (a fence inside a list item).
 
 Reasoning: the program is read from the answer only, the text after the last `</think>` (roll_envs.rewards.judge's
 `final_text`, as the ifeval reward reads it): a block inside a thinking model's reasoning is no program. A response
@@ -14,15 +17,17 @@ whose `<think>` block is never closed (cut off while reasoning) has no program (
 think tags is read whole. (`extract_code` itself reads the text it is given.)
 
 Ground truth (a problem's `answer`) is JSON: `{"tests": [{"input": "...", "output": "..."}, ...]}` (`encode_tests`
-writes it, `parse_tests` reads it). A test passes when the program exits 0 and its stdout equals the expected
-output up to trailing whitespace on each line and trailing blank lines; letter case, leading whitespace and the
-whitespace between tokens count ("YES" is not "yes"; "1 2" is neither "1  2" nor the two lines "1" and "2"). With
-`float_tolerance` (off by default), outputs are compared token by token instead: the whitespace between tokens and
-the number of tokens must be equal, and two decimal numbers at least one of which has a fraction or exponent match
-when `math.isclose` with that relative and absolute tolerance says so (two integers, and anything else, must be
-equal as text). Each test runs in a fresh sandbox (`roll_envs.sandbox.PythonSandbox`) and the comparison happens
-here, outside it: a program that exits early (`sys.exit(0)`, `os._exit(0)`), patches builtins or kills its parent
-prints nothing right and scores 0.
+writes it, `parse_tests` reads it). A test's input reaches the program with its line endings made `\\n` (`\\r\\n`
+and a lone `\\r` alike, as judges normalise test files): Python does not translate them on stdin, and `input()` kept
+the `\\r` of a Windows-edited test ("abc\\r\\n" read as "abc\\r"). A test passes when the program exits 0 and its
+stdout equals the expected output up to trailing whitespace on each line and trailing blank lines; letter case,
+leading whitespace and the whitespace between tokens count ("YES" is not "yes"; "1 2" is neither "1  2" nor the two
+lines "1" and "2"). With `float_tolerance` (off by default), outputs are compared token by token instead: the
+whitespace between tokens and the number of tokens must be equal, and two decimal numbers at least one of which has
+a fraction or exponent match when `math.isclose` with that relative and absolute tolerance says so (two integers,
+and anything else, must be equal as text). Each test runs in a fresh sandbox (`roll_envs.sandbox.PythonSandbox`) and
+the comparison happens here, outside it: a program that exits early (`sys.exit(0)`, `os._exit(0)`), patches builtins
+or kills its parent prints nothing right and scores 0.
 
 Scoring (per response):
 - `score_mode="all_pass"`: `score` = 1 when every test passes, else 0; the first failing test stops the run.
@@ -72,6 +77,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from roll_envs.rewards._fences import fenced_blocks
 from roll_envs.rewards.base import Reward, RewardResult
 from roll_envs.rewards.judge import final_text
 from roll_envs.sandbox import (
@@ -89,11 +95,6 @@ from roll_envs.sandbox import (
 log = logging.getLogger(__name__)
 
 SCORE_MODES = ("all_pass", "fraction")
-# CommonMark backtick fences, matched against one line without its newline. A closing fence must stand alone on
-# its line: a ``` inside the program (a string literal, a docstring) must not end it.
-_OPEN_FENCE = re.compile(r"( {0,3})(`{3,})([^`]*)")
-_CLOSE_FENCE = re.compile(r" {0,3}(`{3,})\s*")
-_TAG = re.compile(r"[A-Za-z0-9_+-]*")
 _PYTHON_TAGS = {"python", "py", "python3"}
 # Decimal numbers only: float() also takes "nan", "inf", "1_000" and surrounding spaces, and ASCII digits only: a
 # Unicode \d and float() take any script's digits (a program printing a fullwidth "０.５" passed for 0.5).
@@ -123,36 +124,12 @@ class CodeTest:
     output: str
 
 
-def _fenced_blocks(response: str) -> list[tuple[str, str]]:
-    """(lower-cased tag, body) of each complete fenced block, in order (see the module docstring)."""
-    lines = response.split("\n")
-    blocks, i = [], 0
-    while i < len(lines):
-        opening = _OPEN_FENCE.fullmatch(lines[i])
-        i += 1
-        if opening is None:
-            continue
-        indent, ticks = len(opening.group(1)), len(opening.group(2))
-        end = next(
-            (j for j in range(i, len(lines)) if (c := _CLOSE_FENCE.fullmatch(lines[j])) and len(c.group(1)) >= ticks),
-            None,
-        )
-        if end is None:  # unclosed: it holds the rest of the response, fences included
-            break
-        body = lines[i:end]
-        body = [line[min(indent, len(line) - len(line.lstrip(" "))) :] for line in body] if indent else body
-        tag = _TAG.match(opening.group(3).strip())
-        blocks.append((tag.group().lower() if tag else "", "".join(line + "\n" for line in body)))
-        i = end + 1
-    return blocks
-
-
 def extract_code(response: str) -> str | None:
     """The last complete fenced block tagged python/py/python3, else the last complete untagged block, else None.
 
     An unclosed fence (a truncated response) is not a program. Fences follow CommonMark (module docstring).
     """
-    blocks = _fenced_blocks(response)
+    blocks = fenced_blocks(response)
     for wanted in (_PYTHON_TAGS, {""}):
         for tag, body in reversed(blocks):
             if tag in wanted and body.strip():
@@ -360,8 +337,12 @@ class CodeReward(Reward):
         return score + bonus, all_passed, True, kinds
 
     def _run(self, code: str, stdin: str) -> RunResult:
-        """One sandbox run; an OSError setting it up (EMFILE for its pipes, EAGAIN from fork) is this row's sandbox
-        error: raised out of `score`, it failed the whole batch, which the guard rescored row by row as `errors`."""
+        """One sandbox run on `stdin` with its line endings made `\\n` (module docstring); an OSError setting it up
+        (EMFILE for its pipes, EAGAIN from fork) is this row's sandbox error: raised out of `score`, it failed the
+        whole batch, which the guard rescored row by row as `errors`."""
+        # Python reads stdin without newline translation on POSIX: input() of "abc\r\n" is "abc\r", so a right
+        # program printing len(input()) printed 4 for 3. Judges normalise test files; so do we.
+        stdin = stdin.replace("\r\n", "\n").replace("\r", "\n")
         start = time.monotonic()
         try:
             return self.sandbox.run(code, stdin)

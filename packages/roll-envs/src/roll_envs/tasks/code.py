@@ -10,12 +10,13 @@ Your data (`path=...`): JSONL, Parquet or a datasets folder (as `FileTask`), one
 (`prompt_key`) and tests (`tests_key`) given as `[{"input": ..., "output": ...}, ...]`, as
 `{"inputs": [...], "outputs": [...]}` (the APPS / TACO layout), or as a JSON string of either. Call-based tests
 (LeetCode style: APPS / TACO's `fn_name`, LiveCodeBench's `"testtype": "functional"`) are not judged: such a row
-is a bad row (a program fed the arguments as stdin, or a `class Solution` printing nothing, could never pass). Bad
-rows (not an object, empty prompt, no tests, a test without string input and output, call-based tests, text holding
-a lone surrogate: a `\\ud800` escape in the prompt or a test, a prompt already chat-templated, as env=file checks
-them) are skipped, counted in `skipped` with their row numbers and reasons, and logged; an empty result is an error.
-The prompt is used as written; a prompt given as chat messages is read as env=file reads it (the last user message,
-the messages before it kept).
+is a bad row (a program fed the arguments as stdin, or a `class Solution` printing nothing, could never pass). So is
+a row whose every test expects empty output (nothing but whitespace): a program that does nothing (`pass`) would
+pass it, a reward for no work. Bad rows (not an object, empty prompt, no tests, a test without string input and
+output, call-based tests, only empty expected outputs, text holding a lone surrogate: a `\\ud800` escape in the
+prompt or a test, a prompt already chat-templated, as env=file checks them) are skipped, counted in `skipped` with
+their row numbers and reasons, and logged; an empty result is an error. The prompt is used as written; a prompt
+given as chat messages is read as env=file reads it (the last user message, the messages before it kept).
 The held-out split is env=file's (base.held_out_split): `eval_path` when given, else a stable hash of the prompt
 below `eval_fraction`; either way a training row that is a held-out row's problem but for whitespace in the prompt
 ("Q?" and "Q?\n") is left out of training, counted in `also_held_out` and logged, so a held-out problem is never
@@ -37,7 +38,7 @@ from typing import Any
 
 from roll_core.errors import ConfigError
 from roll_envs.rewards.base import Reward
-from roll_envs.rewards.code import CodeTest, encode_tests
+from roll_envs.rewards.code import CodeTest, encode_tests, normalize_output
 from roll_envs.tasks._code_problems import TEMPLATES, param_key, reference_program
 from roll_envs.tasks.base import Problem, Task, eval_file_name, stable_fraction
 from roll_envs.tasks.dataset import _chat_prompt, _not_unicode, _read_rows, _templated, _text_problem, log_skipped
@@ -84,6 +85,11 @@ def parse_row_tests(value: Any) -> list[CodeTest]:
             if (bad := _not_unicode(test[key])) is not None:
                 raise ValueError(f"test {i} {key!r} {bad}")
         tests.append(CodeTest(test["input"], test["output"]))
+    # Compared as the reward compares (trailing whitespace and blank lines dropped): `pass` would score 1.
+    if not any(normalize_output(t.output) for t in tests):
+        raise ValueError(
+            f"every test ({len(tests)}) expects empty output: a program that prints nothing would pass them all"
+        )
     return tests
 
 
