@@ -85,6 +85,7 @@ placeholder token a policy must not sample (the rollout stops a turn on it; see 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -210,7 +211,7 @@ class TurnTemplate:
         for m in messages:  # a template that moves or drops a message would leave the model a different context
             content = m.get("content")
             texts = [content] if isinstance(content, str) else [c.get("text", "") for c in content or []]
-            if any(t.strip() not in after for t in texts if isinstance(t, str)):
+            if not all(_rendered(t, after) for t in texts if isinstance(t, str)):
                 raise ValueError(
                     f"the chat template does not render a {m['role']!r} message where it follows an assistant turn "
                     "(it moves or drops it)"
@@ -348,3 +349,12 @@ class TurnTemplate:
         ids = self.vision.expand(ids, mm)
         check_tokens(ids, mm, self.vision.image_token_id, where)
         return ids, mm
+
+
+def _rendered(text: str, rendered: str) -> bool:
+    """Whether a message's `text` is in `rendered` (stripped: templates trim), as given or as a JSON string's
+    body: Llama 3.1's template writes a tool / ipython message's text `| tojson` (a string is `iterable` to jinja),
+    so a tool result with a quote, a newline or a backslash (JSON output, a traceback) reads `{\\"a\\": 1}` there;
+    it was taken for a dropped message (a template_error SFT skip, an agent endpoint 400)."""
+    text = text.strip()
+    return any(t in rendered for t in (text, json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]))
