@@ -7,8 +7,9 @@ Contract (what `roll_envs.rewards.code.extract_code` reads a program from):
   (its content column is there), by 5 or more (content column one past the marker) or by the line's end. A fence
   may follow the marker on its line (`1. ```python`). Items nest; a line indented less than an item's content
   column closes it unless it is a paragraph's lazy continuation (text right after text); after text, only a
-  non-empty bullet or `1.` / `1)` item starts a list. So `1. Read n:` then a fence indented 4 spaces is a fence (1
-  past the item's column 3), and 3 spaces past `- ` (5) too.
+  non-empty bullet or `1.` / `1)` item starts a list, but any marker outdented below an open item's content
+  column starts one (`1. Read n.` then `2. Print:` are two items). So `1. Read n:` then a fence indented 4
+  spaces is a fence (1 past the item's column 3), and 3 spaces past `- ` (5) too.
 - A line indented 4 or more spaces past its container that continues no paragraph is an indented code block: text,
   never a fence (a ```python line there, or code merely indented, is no program), as CommonMark renders it.
 - The block ends at the next line holding only spaces (at most 3 past the opening's container column), >= N
@@ -61,7 +62,11 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
         # whatever its indentation, as markdown-it does: an outdented fence, marker or heading closes them.
         if depth < len(items) and paragraph and not _starts_block(line, col):
             continue
-        opened = _list_items(line, col, items[depth - 1] if depth else 0, after_text=paragraph)
+        # The "only a non-empty bullet or 1. interrupts text" rule is for a list starting inside the paragraph's
+        # container; a marker outdented below an open item's content column closes that item (markdown-it's
+        # rule): "1. Read n.\n2. Print:" are two items, and a fence under the second is its program.
+        after_text = paragraph and depth == len(items)
+        opened = _list_items(line, col, items[depth - 1] if depth else 0, after_text=after_text)
         base = opened[-1] if opened else items[depth - 1] if depth else 0
         col = _indent(line, base) if opened else col
         fence = _OPEN_FENCE.fullmatch(line, col) if col - base <= 3 else None
