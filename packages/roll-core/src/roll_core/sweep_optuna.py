@@ -38,6 +38,14 @@ whose study already holds N trials numbers its jobs from N (the sweeper's `job_i
 trial N of the study, in any folder; the earlier jobs' folders are kept. A study in memory (no storage) starts
 empty: its jobs are numbered from 0, as a resumed sweep (`pipeline.resume=true`) into its folder needs; a resumed
 sweep of a persistent study asks new trials, into new folders (the study's earlier trials are not run again).
+A continued study's seeded sampler (`hydra.sweeper.sampler.seed`) is made again with a seed derived from that seed
+and the study's trial count (`reseed_continued`): the sampler restarted its random stream in every process, so the
+continuing sweep asked exactly the earlier sweep's values. Its values are reproducible, but not those an
+uninterrupted study of the same seed would have asked.
+
+The direction (checked by the watched `sweep()` before its study is created): every roll-train job returns its
+final held-out accuracy, so a sweep whose `hydra.sweeper.direction` is not `maximize` is refused with a ConfigError
+(`direction_problem`): hydra-optuna-sweeper's default, `minimize`, made the study's best trial the worst one.
 
 A stopped sweep's results: hydra-optuna-sweeper writes `<sweep folder>/optimization_results.yaml` (`name: optuna` and
 `best_params`/`best_value`, or `solutions` for several objectives) at the end of its `sweep()`, which a sweep a
@@ -231,12 +239,14 @@ def _install(folder: Path) -> None:
 
     def watched_sweep(self: Any, arguments: Any) -> Any:
         create = optuna.create_study
+        config = getattr(self, "config", None)
 
         def create_study(*args: Any, **kwargs: Any) -> Any:
             study = create(*args, **kwargs)
             if str(folder) not in _studies:  # the sweeper's, created before any job runs (a job's own comes later)
                 _studies[str(folder)] = study
                 done = len(study.get_trials(deepcopy=False))
+                reseed_continued(study, _select(config, "hydra.sweeper.sampler"), done)
                 if done > self.job_idx:  # from 0, they went into the folders of the study's earlier jobs
                     log.info(
                         "Optuna study %s holds %d trials: this sweep numbers its jobs after them",
@@ -249,12 +259,82 @@ def _install(folder: Path) -> None:
         optuna.create_study = create_study
         _patched.append((optuna, "create_study", create, create_study))
         try:
+            # before the study is created: nothing asked, nothing run
+            problem = direction_problem(getattr(self, "direction", _select(config, "hydra.sweeper.direction")))
+            if problem is not None:
+                from roll_core.errors import ConfigError
+
+                raise ConfigError(problem)
             return sweep(self, arguments)
         finally:
             unwatch()
 
     OptunaSweeperImpl.sweep = watched_sweep
     _patched.append((OptunaSweeperImpl, "sweep", sweep, watched_sweep))
+
+
+def _select(config: Any, key: str) -> Any:
+    """`key` of the sweeper's multirun config `config` (None when there is none or it lacks the key)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(config, key) if config is not None else None
+
+
+def direction_problem(direction: Any) -> str | None:
+    """Why a roll-train sweep cannot optimise in `direction` (hydra.sweeper.direction: a name, an optuna-sweeper
+    Direction, or a list of them), None for `maximize`. Each job returns one value, its final held-out accuracy,
+    which is better higher: hydra-optuna-sweeper's default `minimize` searched for the worst settings (its best trial
+    the lowest accuracy) without a word, and several objectives failed every trial (one value is not a list)."""
+    from collections.abc import Sequence
+
+    many = isinstance(direction, Sequence) and not isinstance(direction, str)
+    names = [str(getattr(d, "name", d)) for d in (direction if many else [direction])]
+    if names == ["maximize"]:
+        return None
+    given = f"[{','.join(names)}]" if many else names[0]
+    why = (
+        "the study would search for the worst settings (hydra-optuna-sweeper's default is minimize)"
+        if names == ["minimize"]
+        else "roll-train's sweep jobs return one value, to maximise"
+    )
+    return (
+        f"hydra.sweeper.direction={given}: every roll-train sweep job returns its final held-out accuracy (higher "
+        f"is better), so {why}. Set hydra.sweeper.direction=maximize"
+    )
+
+
+def continued_seed(seed: int, done: int) -> int:
+    """The sampler seed for a study continued with `done` trials under `hydra.sweeper.sampler.seed=seed`: a
+    function of both (reproducible), never the seed itself."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(seed), int(done)]).generate_state(1)[0])
+
+
+def reseed_continued(study: Any, sampler: Any, done: int) -> bool:
+    """Give the sweeper's `study`, continued with `done` (> 0) earlier trials, a sampler made from the sampler
+    config `sampler` (`hydra.sweeper.sampler`) with `continued_seed`. A seeded sampler starts its random stream over
+    in every process: the continuing sweep asked exactly the values the first sweep had asked (TPE's random start,
+    a random sampler), trials run again under new numbers. Returns whether it reseeded: nothing for a new study, a
+    sampler without a seed (it draws fresh entropy) or one that takes none (the grid sampler, which skips points
+    the study holds)."""
+    seed = sampler.get("seed") if done > 0 and sampler is not None and "seed" in sampler else None
+    if seed is None:
+        return False
+    from hydra.utils import instantiate
+
+    new_seed = continued_seed(seed, done)
+    study.sampler = instantiate(sampler, seed=new_seed)
+    log.info(
+        "Optuna study %s continues after %d trials: its sampler is seeded %d (from hydra.sweeper.sampler.seed=%s "
+        "and the trial count), not %s, so it does not ask the earlier sweep's values again",
+        study.study_name,
+        done,
+        new_seed,
+        seed,
+        seed,
+    )
+    return True
 
 
 def unwatch() -> None:
