@@ -326,6 +326,7 @@ VLLM_TESTS = [
     "packages/roll-engines/tests/test_vllm_sync_layouts.py",
     "packages/roll-engines/tests/test_vllm_device.py",
     "packages/roll-engines/tests/test_vllm_load_bars.py",
+    "packages/roll-core/tests/test_hermes_vllm_parity.py",
 ]
 
 

@@ -7,7 +7,11 @@ malformed or unclosed first block is an invalid action even when a later one is 
 itself does not move, and the tool's output is the next observation. NAME is a tool's name; everything after the
 first colon up to the block's `</tool>` (stripped) is the argument, which may hold the markers themselves (a
 program printing `</tool>` or `</think>`): where a block and the reasoning end is
-roll_envs.agentic._tool_syntax's reading. Any reply without a `<tool>` block after its reasoning is passed to the
+roll_envs.agentic._tool_syntax's reading. The Hermes / Qwen form that Qwen and Hermes models write,
+`<tool_call>{"name": NAME, "arguments": {"input": ARGUMENT}}</tool_call>` (any one key; its value a string), is the
+same call (with `hermes_calls=False`, the default True, it is text like any other): a reply's first block of either
+form is its call, and one whose `arguments` are not exactly one string is an invalid call saying so, never an answer
+(roll_envs.agentic._reply_call). Any reply without a block of either form after its reasoning is passed to the
 wrapped environment as its action.
 The wrapped environment's observations must be text (one with pictures is a ValueError, not its repr); the
 framing markers in them are defanged as in a tool's output (below): an observation cannot pose as a tool's output.
@@ -63,17 +67,14 @@ from typing import Any, ClassVar
 
 from roll_core.interfaces.tasks import answer_reader, reward_kwargs
 from roll_envs._digit_groups import join_digit_groups
-from roll_envs.agentic._tool_syntax import find_calls
+from roll_envs.agentic._reply_call import read_call
 from roll_envs.agentic.base import Outcome, TextEnv, echo, extract_action, trim_action
 from roll_envs.agentic.tools import Calculator, Tool, ToolText, get_tool
 from roll_envs.markers import defang
 from roll_envs.numeric import numbers_equal
 
-# The first `<tool>` block is THE call: searching for the first *well-formed* block ran a later call after a
-# malformed one (`<tool>oops</tool> then <tool>calculator: 2+2</tool>` ran 2+2).
-_CALL = re.compile(r"\s*([A-Za-z_][\w-]*)\s*:(.*)", re.DOTALL)
 _NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
-_NAME = re.compile(r"[A-Za-z_][\w-]*")  # the tool names _CALL can read
+_NAME = re.compile(r"[A-Za-z_][\w-]*")  # the tool names a `<tool>` call can spell (roll_envs.agentic._reply_call)
 _FRAMING = ("<tool_output>", "</tool_output>")  # the observation's framing (_defang)
 
 log = logging.getLogger(__name__)
@@ -355,8 +356,10 @@ class ToolUseEnv:
         invalid_penalty: float = -0.1,
         max_steps: int | None = None,
         max_output_chars: int = 2000,
+        hermes_calls: bool = True,
     ) -> None:
         self.env = env
+        self.hermes_calls = bool(hermes_calls)
         self.tools: dict[str, Tool] = {}
         for t in tools:
             tool = _build_tool(t)
@@ -452,26 +455,23 @@ class ToolUseEnv:
             info = self._info({"state": self._inner_state}, obs, 0, True)
             return note + obs, 0.0, terminated, truncated, info
         self.steps += 1
-        found = find_calls(text)  # a <tool> block in the reasoning is weighed, not called
-        if not found.count:  # (the wrapped env reads the action after the reasoning)
+        call = read_call(text, self.hermes_calls)  # a block in the reasoning is weighed, not called
+        if call is None:  # (the wrapped env reads the action after the reasoning)
             raw, reward, terminated, truncated, info = self.env.step(text)
             obs, terminated = _text(raw, self.env), bool(terminated)
             truncated = not terminated and (bool(truncated) or self.steps >= self.max_steps)
             self._last = (obs, terminated, truncated)
             return obs, float(reward), terminated, truncated, self._info(info, obs, 0, False)
-        match = None if found.first is None else _CALL.fullmatch(found.first)
-        errors, ignored, error_outputs = 0, found.count - 1, 0
-        if found.first is None:  # (a reply cut off by max_tokens in its call)
-            obs, invalid = "Invalid tool call: the <tool> block is not closed; write <tool>NAME: ARGUMENT</tool>.", True
-        elif match is None:
-            obs, invalid = "Invalid tool call: write exactly <tool>NAME: ARGUMENT</tool>.", True
-        elif match.group(1) not in self.tools:
-            obs = f"Invalid tool call: unknown tool {echo(match.group(1))}; available: {', '.join(self.tools)}."
+        errors, ignored, error_outputs = 0, call.ignored, 0
+        if call.error is not None:  # malformed, unclosed (a reply cut off by max_tokens in its call)
+            obs, invalid = call.error, True
+        elif call.name not in self.tools:
+            obs = f"Invalid tool call: unknown tool {echo(call.name)}; available: {', '.join(self.tools)}."
             invalid = True
         elif self.calls >= self.max_tool_calls:
             obs, invalid = f"Tool budget exhausted ({self.max_tool_calls} calls); give your action now.", True
         else:
-            name, arg = match.group(1), match.group(2).strip()
+            name, arg = call.name, call.arg
             try:
                 result = self.tools[name](arg)
                 output = _tool_text(result)
