@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import pytest
 import yaml
@@ -71,3 +71,45 @@ def test_each_job_of_a_shared_local_store_keeps_its_artifacts_in_its_own_folder(
         others = run_dir.parent / str(1 - job) / "mlflow" / "artifacts"
         assert not (others / run_id).exists()  # nothing of this job in the other job's folder
     assert sorted(p.name for p in (jobs[0] / "mlflow" / "artifacts").iterdir()) == [runs[0]]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_location_the_user_chose_that_ends_like_a_run_folders_is_left_as_it_is(tmp_path: Path) -> None:
+    """An experiment made by hand, its artifacts in `<team>/mlflow/artifacts` (ending as a run folder's does): its
+    runs' artifacts stay there (they were moved into the roll run folder, which is no store the user chose). A
+    roll-made experiment's location is still each job's own (the test above)."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    chosen = (tmp_path / "team" / "mlflow" / "artifacts").resolve()
+    MlflowClient(tracking_uri=uri).create_experiment("scan-sweep", artifact_location=chosen.as_uri())
+    run_dir = tmp_path / "sweep" / "0"
+    tracker = Tracker(run_dir, _config(uri, 0), ["mlflow"])
+    tracker.log(1, {"loss": 1.0})
+    tracker.close(failed=False)
+
+    run_id = run_id_of(run_dir)
+    location = Path(urlparse(MlflowClient(tracking_uri=uri).get_run(run_id).info.artifact_uri).path)
+    assert location == chosen / run_id / "artifacts"
+    assert (location / "config.yaml").read_text() == (run_dir / "config.yaml").read_text()
+    assert not (run_dir / "mlflow" / "artifacts").exists()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_job_starting_before_the_first_job_recorded_its_run_keeps_its_own_artifacts(tmp_path: Path) -> None:
+    """Jobs start together: the first job's folder records no run yet (no run.json) when the second job's run is
+    created; the experiment roll made is known by its tag, and the second job's artifacts are its own folder's."""
+    pytest.importorskip("mlflow", reason="the roll-core[mlflow] extra")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    jobs = [tmp_path / "sweep job" / str(job) for job in (0, 1)]  # (a space: the location is a URI)
+    for job, run_dir in enumerate(jobs):
+        tracker = Tracker(run_dir, _config(uri, job), ["mlflow"])
+        tracker.close(failed=False)
+        if job == 0:
+            (run_dir / "mlflow" / "run.json").rename(run_dir / "run.json.kept")
+    run_id = run_id_of(jobs[1])
+    location = Path(unquote(urlparse(MlflowClient(tracking_uri=uri).get_run(run_id).info.artifact_uri).path))
+    assert location == (jobs[1] / "mlflow" / "artifacts" / run_id / "artifacts").resolve()

@@ -97,7 +97,7 @@ from roll_core.trackers.mlflow_keys import (
     flatten_config,
     mlflow_key,
 )
-from roll_core.trackers.mlflow_local import follow_folder, own_artifacts
+from roll_core.trackers.mlflow_local import ROLL_LOCATION_TAG, follow_folder, own_artifacts
 from roll_core.trackers.mlflow_resume import STATE_FILE, UNSENT_FILE, MlflowResume
 from roll_core.tracking import redact_config, redact_exception, redact_text
 
@@ -215,7 +215,9 @@ class MlflowTracker(MlflowResume, MlflowClose):
             local = not self.uri.startswith(("http://", "https://", "databricks"))
             location = (self.dir / "artifacts").resolve().as_uri() if local else None
             try:
-                return self.client.create_experiment(self.experiment, artifact_location=location)
+                # tagged: `own_artifacts` moves only the runs of an experiment roll gave a run folder's location
+                tags = {ROLL_LOCATION_TAG: location} if location is not None else None
+                return self.client.create_experiment(self.experiment, artifact_location=location, tags=tags)
             except MlflowException:  # another job of the sweep created it meanwhile
                 found = self.client.get_experiment_by_name(self.experiment)
                 if found is None:

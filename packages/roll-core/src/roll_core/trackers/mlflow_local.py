@@ -21,8 +21,11 @@ run's artifacts under its experiment's, so every job's config.yaml and sample ta
 folder (and went with it: deleted, moved, read-only). `own_artifacts` gives a new run whose location is under
 another run folder's artifacts its own folder's (`<run>/mlflow/artifacts/<run id>/artifacts`), in the store's
 record of the run (MLflow has no call for it: its SQL store's table, its file store's meta.yaml). A location the
-user chose (an experiment not made by roll) is left as it is, and so is one of a store roll cannot change (another
-kind): said once, as a warning naming where the artifacts go. Contract: called right after the run is created,
+user chose (an experiment not made by roll) is left as it is, also where it ends as a run folder's does
+(`<team>/mlflow/artifacts`): roll tags the experiments it makes with a run folder's location (ROLL_LOCATION_TAG),
+and one made before that tag is taken for roll's only when that run folder records an MLflow run
+(`<run>/mlflow/run.json`). One of a store roll cannot change (another kind) is left as it is too: said once, as a
+warning naming where the artifacts go. Contract: called right after the run is created,
 before anything is logged to it; the store's own errors are raised (the tracker's `_start` says what fails).
 """
 
@@ -32,12 +35,15 @@ import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
-__all__ = ["ARTIFACTS_TAIL", "follow_folder", "own_artifacts"]
+__all__ = ["ARTIFACTS_TAIL", "ROLL_LOCATION_TAG", "follow_folder", "own_artifacts"]
 
 log = logging.getLogger("roll_core.trackers.mlflow")  # the backend's logger: all its messages under one name
 #: How the artifact location roll gives a run folder's own store ends.
 ARTIFACTS_TAIL = "/mlflow/artifacts"
+#: The tag of an experiment roll made with a run folder's artifacts as its location (`own_artifacts` moves its runs').
+ROLL_LOCATION_TAG = "roll.artifact_location"
 
 
 def follow_folder(db: Path, artifacts: Path) -> int:
@@ -84,7 +90,7 @@ def own_artifacts(client: Any, run: Any, artifacts: Path) -> str:
     info = run.info
     location, tail = str(info.artifact_uri or ""), f"/{info.run_id}/artifacts"
     root, new_root = location.removesuffix(tail), artifacts.resolve().as_uri()
-    if root == location or not _other_folder(root, new_root):
+    if root == location or not _other_folder(root, new_root) or not _made_by_roll(client, info.experiment_id, root):
         return location  # its own folder already, or a location the user chose
     new = new_root + tail
     from mlflow.store.tracking.file_store import FileStore
@@ -105,6 +111,17 @@ def own_artifacts(client: Any, run: Any, artifacts: Path) -> str:
         return location
     _forget_repositories([info.run_id])
     return new
+
+
+def _made_by_roll(client: Any, experiment_id: str, root: str) -> bool:
+    """Whether the experiment's location `root` (a run folder's artifacts, by its name) is one roll gave it: tagged
+    so (ROLL_LOCATION_TAG), or, made before that tag, in a folder that records an MLflow run (run.json); not a
+    location a user chose that ends the same way."""
+    experiment = client.get_experiment(experiment_id)
+    if experiment.tags.get(ROLL_LOCATION_TAG) == root:
+        return True
+    folder = Path(unquote(urlparse(root).path)).parent  # `<run>/mlflow`
+    return (folder / "run.json").is_file()
 
 
 _warned: set[str] = set()  # the stores `_warn_shared` warned about (once per process each)
