@@ -1,13 +1,14 @@
 """Tool-result and other roles as context of chat rows (roll_core.posttrain.chat_encoder).
 
-Llama 3.1 writes tool results as `ipython` turns, GLM as `observation` turns, OpenAI's legacy format as `function`
-ones: a multi-turn tool-use row in those formats has them between two trained assistant turns. Any role there but
-user / tool / system was a `template_error` skip ("a continuation holds user, tool, system messages, not
-'ipython'"): the rows were refused. They are context as a `tool` message is (mask 0, only assistant turns trained,
-a tool result's content untrusted text in the prompt too), where the family's template renders the role; a template
-that cannot render it (raises, or drops the turn) is a `template_drops_role` skip naming the role. The run summaries
-of sft, dpo and distill_offline report `other_roles` (examples with a role roll does not know), as they report
-`skipped_rows`. Character-level family tokenizers (roll_core.testing.chat_templates), so every token is spelt out.
+Llama 3.1 writes tool results as `ipython` turns, GLM as `observation` turns, OpenAI's legacy format as `function` ones:
+a multi-turn tool-use row in those formats has them between two trained assistant turns. Any role there but user / tool
+/ system was a `template_error` skip ("a continuation holds user, tool, system messages, not 'ipython'"): the rows were
+refused. They are context as a `tool` message is (mask 0, only assistant turns trained, a tool result's content
+untrusted text in the prompt too), where the family's template renders the role; a template that cannot render it
+(raises, or drops the turn) is a `template_drops_role` skip naming the role. The run summaries of sft, dpo and
+distill_offline report `other_roles` (examples with a role roll does not know), as they report `skipped_rows`, and
+`renamed_roles` (examples whose roles were read through another data set's names). Character-level family tokenizers
+(roll_core.testing.chat_templates), so every token is spelt out.
 """
 
 from __future__ import annotations
@@ -143,8 +144,9 @@ def test_a_template_that_drops_the_role_is_a_skip_not_a_row_trained_without_it(c
 
 def _rows(name: str, i: int) -> dict:
     """Row i of pipeline `name` (distill_offline: SFT rows, targets by distill.teacher) with a 'critic' turn in even
-    rows' prompts."""
-    prompt = [*([msg("critic", "be brief")] if i % 2 == 0 else []), msg("user", f"Q{i}: say 7")]
+    rows' prompts, and its user turn named 'Human' (ShareGPT's name, read as user) in every third row."""
+    user = "Human" if i % 3 == 0 else "user"
+    prompt = [*([msg("critic", "be brief")] if i % 2 == 0 else []), msg(user, f"Q{i}: say 7")]
     if name == "dpo":
         return {"prompt": prompt, "chosen": "123", "rejected": "abc"}
     return {"messages": [*prompt, msg("assistant", "7")]}
@@ -159,4 +161,5 @@ def test_the_run_summary_reports_other_roles(name, tmp_path):
     extra = ["distill.teacher=builtin:tiny", "distill.eval_task=false"] if name == "distill_offline" else []
     summary, _ = run_pipeline(tiny_posttrain_overrides(name, tmp_path, train, 4, f"data.eval_path={held}", *extra))
     assert summary["other_roles"] == {"critic": 6}
+    assert summary["renamed_roles"] == {"human->user": 4}  # train rows 0, 3, 6; held-out row 21
     assert summary["skipped_rows"] == {}

@@ -1,12 +1,13 @@
 """Message roles of post-training rows (roll_core.posttrain.row_values' role rule) and raw-text completions that only
 reason (roll_core.posttrain.tokenize).
 
-A role one of `KNOWN_ROLES` but for case or a small misspelling ("assitant", "Assistant", "usr"), or another data
-set's name for one ("gpt", "model"), rendered under a header of its own as untrained context: the row's turns of
-that role were never trained, and nothing said so. It is an `unknown_role` skip naming the role meant, for every
-row kind whose messages go through `check_messages` (SFT, distillation, preference prompts and answers). Any other
-role is kept as context, counted per role (`RowSource.other_roles`) and warned about once per role. Real tokenizers
-of the chat-template families (character-level), real JSONL files."""
+A role one of `KNOWN_ROLES` but for case or a small misspelling ("assitant", "Assistant", "usr") rendered under a header
+of its own as untrained context: the row's turns of that role were never trained, and nothing said so (another data
+set's name for one, "gpt" or "model", is read as the role it names: test_posttrain_role_aliases.py). It is an
+`unknown_role` skip naming the role meant, for every row kind whose messages go through `check_messages` (SFT,
+distillation, preference prompts and answers). Any other role is kept as context, counted per role
+(`RowSource.other_roles`) and warned about once per role. Real tokenizers of the chat-template families
+(character-level), real JSONL files."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def test_every_row_kind_with_messages_applies_the_rule(tmp_path):
     teacher = {"teacher_topk_ids": [[3, 4], [5, 6]], "teacher_topk_logprobs": [[-0.1, -3.0], [-0.2, -3.0]]}
     distill = [
         {"messages": [msg("user", "hi"), msg("assistant", "4")], **teacher},
-        {"messages": [msg("user", "hi"), msg("gpt", "4")], **teacher},
+        {"messages": [msg("user", "hi"), msg("assitant", "4")], **teacher},
     ]
     src = load("distill", tok, path=write_jsonl(tmp_path / "d.jsonl", distill)).train
     assert src.skipped == {"unknown_role": 1} and len(src) == 1

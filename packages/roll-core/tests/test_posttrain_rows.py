@@ -600,9 +600,12 @@ def test_sharegpt_rows_are_read_as_messages(tmp_path):
     assert torch.equal(b["input_ids"][0], b["input_ids"][2]) and torch.equal(b["input_ids"][1], b["input_ids"][2])
     assert masked_segments(tok, b["responses"][0], b["response_mask"][0]) == ["4<|im_end|>"]
     odd = [{"messages": [{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}]}]
-    # ShareGPT's names as chat roles: an unknown_role skip naming the role meant (row_values' role rule)
-    with pytest.raises(ConfigError, match=r"unknown_role: 'messages'\[0\] has role 'human': 'user' meant\?"):
-        load("sft", tok, path=write_jsonl(tmp_path / "odd.jsonl", odd))
+    # ShareGPT's names as chat roles: read as the roles they name, counted (row_values' role_alias)
+    aliased = load("sft", tok, path=write_jsonl(tmp_path / "odd.jsonl", odd)).train
+    assert aliased.renamed_roles == {"gpt->assistant": 1, "human->user": 1}
+    plain = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
+    written = load("sft", tok, path=write_jsonl(tmp_path / "plain.jsonl", plain)).train
+    assert torch.equal(aliased.batch([0])["input_ids"], written.batch([0])["input_ids"])
 
 
 def test_tool_call_arguments_as_json_text_are_not_double_encoded(tmp_path):

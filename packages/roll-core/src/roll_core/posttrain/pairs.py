@@ -58,7 +58,14 @@ from typing import Any
 from roll_core.errors import ConfigError
 from roll_core.near_duplicates import loose_text
 from roll_core.posttrain.config import DataConfig
-from roll_core.posttrain.row_values import chat_messages, check_messages, check_text, need, train_flag
+from roll_core.posttrain.row_values import (
+    chat_messages,
+    check_messages,
+    check_text,
+    need,
+    renamed_roles,
+    train_flag,
+)
 from roll_core.posttrain.rows import RawRow, SkipRow, Skips
 from roll_core.posttrain.tokenize import SFTTokenizer, TokenRow
 
@@ -91,6 +98,7 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
     row = raw.row
     chosen, rejected = need(row, cfg.chosen_key), need(row, cfg.rejected_key)
     prompt = row.get(cfg.prompt_key)
+    renamed = renamed_roles(prompt, chosen, rejected)  # both sides' (a pair is one example)
     if prompt is None and (isinstance(chosen, str) or isinstance(rejected, str)):
         # Said as such: it was a `wrong_type` skip, "'chosen' must be a non-empty list of messages", which hid the
         # missing prompt column (a misnamed data.prompt_key, or TRL's implicit-prompt text form).
@@ -116,7 +124,7 @@ def parse_preference(raw: RawRow, sft: SFTTokenizer) -> Pair:
             if len(answers) == 2:
                 _check_divergence(answers, cfg)
             trained = [False] * len(p) + [train_flag(m) for m in c]
-            tokens = sft.chat_row(p + c, trained, row.get("tools"))
+            tokens = sft.chat_row(p + c, trained, row.get("tools"), renamed=renamed)
         tokens.where = f"{raw.where}:{key}"
         sides.append(sft.limit(tokens))
     if sides[0].prompt_ids != sides[1].prompt_ids:  # a template that renders the prompt after reading the answer

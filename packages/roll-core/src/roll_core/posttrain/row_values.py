@@ -20,12 +20,16 @@ a value silently: what cannot be read as the data means it is a skip.
   any other `from` is an `unknown_role` skip naming it (it was kept as the role: a template rendered a turn of that
   name, or the row lost its answer).
   Roles (`role_rule`): `KNOWN_ROLES` are the four chat roles and those of tool-calling templates (developer,
-  function, ipython, observation). A role that is one of them but for case, spaces or a small misspelling
-  ("Assistant", "assitant", "usr", "sytem": an edit distance of 1 from a role of up to 5 letters, 2 from a longer
-  one) or another dataset's name for one (`ROLE_ALIASES`: human, gpt, model) is an `unknown_role` skip naming the
-  role meant: the template rendered it under a header of its own as untrained context, so a misspelt assistant turn
-  was never trained, without a word. Any other role (a template's own, e.g. "critic") is kept, as context; the
-  loader counts the examples holding one (`other_roles`) and warns once per role. A blank role is `wrong_type`.
+  function, ipython, observation). Another data set's name for one (`ROLE_ALIASES`: human, gpt, Gemma's model;
+  exactly those names, but for case and surrounding spaces: "Human", " GPT") is read as the role it names
+  (`role_alias`: human -> user, gpt / model -> assistant), as ShareGPT's `from` is, so the row renders and trains
+  as one written with the standard roles; `renamed_roles` names the renames a row's messages take, which the
+  loader counts per example ("human->user") and reports. A role that is a known one but for case, spaces or a
+  small misspelling ("Assistant", "assitant", "usr", "sytem": an edit distance of 1 from a role of up to 5
+  letters, 2 from a longer one) is an `unknown_role` skip naming the role meant: a guess, not a name (the template
+  rendered it under a header of its own as untrained context, so a misspelt assistant turn was never trained,
+  without a word). Any other role (a template's own, e.g. "critic") is kept, as context; the loader counts the
+  examples holding one (`other_roles`) and warns once per role. A blank role is `wrong_type`.
 - `row_messages(row, messages_key)`: the messages of a `messages` row (or its ShareGPT `conversations` column), with
   LLaMA-Factory's `system` column (text beside ShareGPT messages) put first as a system message; a row with both
   that column and a different leading system turn is a `wrong_type` skip (which one the data means is unknown).
@@ -36,8 +40,9 @@ a value silently: what cannot be read as the data means it is a skip.
   is wrapped so (it was passed as it was: Qwen2.5's template showed the model a schema of another shape than it
   was trained on, templates reading `tool.function` failed or showed nothing); a schema naming no function is a
   `wrong_type` skip.
-- `chat_messages(value, key)`: a message list with its ShareGPT messages read as chat messages (anything else as it
-  is): for code that compares messages before `check_messages` runs (the preference rows' prompt).
+- `chat_messages(value, key)`: a message list with its ShareGPT messages read as chat messages and its role aliases as
+  the roles they name (anything else as it is): for code that compares messages before `check_messages` runs (the
+  preference rows' prompt).
 - `train_flag(message)`: whether an assistant message is trained (`train` true / false, OpenAI's `weight` 0 / 1).
 - `blank(message)`: whether a message says nothing (blank text and no tool calls).
 """
@@ -63,8 +68,11 @@ __all__ = [
     "check_messages",
     "check_text",
     "check_tools",
+    "messages_column",
     "need",
     "other_roles",
+    "renamed_roles",
+    "role_alias",
     "role_rule",
     "row_messages",
     "sharegpt_message",
@@ -90,7 +98,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 #: `function`, Llama 3.1's `ipython`, GLM's `observation` (tool results).
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython", "observation")
 #: Other data sets' names for a chat role, as a `role` (ShareGPT's as `from` are read by `sharegpt_message`; Gemma's
-#: template calls the assistant `model`): what the row means, but not what a template trains.
+#: template calls the assistant `model`): read as the role they name (`role_alias`), as Axolotl's role maps do.
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant"}
 
 
@@ -190,14 +198,34 @@ def _edit_distance(a: str, b: str) -> int:
     return prev[-1]
 
 
+def role_alias(role: str) -> str | None:
+    """The standard role `role` names when it is one of `ROLE_ALIASES`, but for case and surrounding spaces
+    ("Human", "gpt ", "MODEL"), else None (a known role, a misspelling, any other name)."""
+    return None if role in KNOWN_ROLES else ROLE_ALIASES.get(role.strip().casefold())
+
+
+def renamed_roles(*values: Any) -> tuple[str, ...]:
+    """The renames ("human->user", sorted, each once) that `check_messages` / `chat_messages` make reading the
+    message lists among `values` (text and anything else name none; ShareGPT's `from` is its format's own)."""
+    found = set()
+    for value in values:
+        for m in value if isinstance(value, (list, tuple)) else ():
+            role = m.get("role") if isinstance(m, Mapping) else None
+            if isinstance(role, str) and (meant := role_alias(role)) is not None:
+                found.add(f"{role.strip().casefold()}->{meant}")
+    return tuple(sorted(found))
+
+
 def role_rule(role: str) -> str | None:
-    """The known role a message's `role` was likely meant as (see the module doc), or None: a known role, or one
-    unlike any (kept as context, counted by `other_roles`)."""
+    """The known role a message's `role` was likely meant as (see the module doc): the one an alias names
+    (`role_alias`, which `check_messages` reads it as) or a misspelling's (an `unknown_role` skip); None for a known
+    role, or one unlike any (kept as context, counted by `other_roles`)."""
     if role in KNOWN_ROLES:
         return None
+    alias = role_alias(role)
+    if alias is not None:
+        return alias
     word = role.strip().casefold()
-    if word in ROLE_ALIASES:
-        return ROLE_ALIASES[word]
     near = []
     for known in KNOWN_ROLES:
         # one edit for a short role: two would take "toy" or "tone" for "tool"
@@ -224,6 +252,8 @@ def check_messages(value: Any, key: str) -> list[dict[str, Any]]:
             m = sharegpt_message(m, f"{key!r}[{i}]")
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not m["role"].strip():
             raise SkipRow("wrong_type", f"{key!r}[{i}] is not a message with a 'role' ({str(m)[:60]})")
+        if (alias := role_alias(m["role"])) is not None:  # another data set's name for the role: counted by the loader
+            m = {**m, "role": alias}
         meant = role_rule(m["role"])
         if meant is not None:
             lost = "a turn roll never trains" if meant == "assistant" else f"not a {meant!r} turn"
@@ -245,10 +275,16 @@ def check_messages(value: Any, key: str) -> list[dict[str, Any]]:
     return out
 
 
+def messages_column(row: Mapping[str, Any], messages_key: str) -> str:
+    """The column a `messages` row's messages are read from: `messages_key`, or ShareGPT's `conversations` when the
+    row has only that."""
+    return messages_key if messages_key in row or SHAREGPT_COLUMN not in row else SHAREGPT_COLUMN
+
+
 def row_messages(row: Mapping[str, Any], messages_key: str) -> list[dict[str, Any]]:
     """The checked messages of a `messages` row: the `messages_key` column, or ShareGPT's `conversations` when the
     row has no `messages_key`; beside ShareGPT messages, a text `system` column becomes the first message."""
-    key = messages_key if messages_key in row or SHAREGPT_COLUMN not in row else SHAREGPT_COLUMN
+    key = messages_column(row, messages_key)
     value = need(row, key)
     messages = check_messages(value, key)
     system = row.get(SHAREGPT_SYSTEM_COLUMN)
@@ -302,11 +338,19 @@ def _openai_tool(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_messages(value: Any, key: str) -> Any:
-    """`value` with its ShareGPT messages read as chat messages (`sharegpt_message`), when it is a list; anything
-    else as it is (what it may hold is `check_messages`' to say)."""
+    """`value` with its ShareGPT messages read as chat messages (`sharegpt_message`) and its role aliases as the
+    roles they name (`role_alias`), when it is a list; anything else as it is (what it may hold is
+    `check_messages`' to say)."""
     if not isinstance(value, (list, tuple)):
         return value
-    return [sharegpt_message(m, f"{key!r}[{i}]") if _is_sharegpt(m) else m for i, m in enumerate(value)]
+    return [_standard_role(sharegpt_message(m, f"{key!r}[{i}]") if _is_sharegpt(m) else m) for i, m in enumerate(value)]
+
+
+def _standard_role(m: Any) -> Any:
+    """A message with an aliased role (`role_alias`) as one with the role it names; anything else as it is."""
+    role = m.get("role") if isinstance(m, Mapping) else None
+    alias = role_alias(role) if isinstance(role, str) else None
+    return m if alias is None else {**m, "role": alias}
 
 
 def _json_list(value: Any, where: str, what: str) -> list[dict[str, Any]]:

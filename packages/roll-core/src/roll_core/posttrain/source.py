@@ -84,9 +84,10 @@ def token_batch(rows: Sequence[TokenRow], pad_id: int) -> dict[str, torch.Tensor
 class RowSource:
     """Tokenised examples of one kind (TokenRows, or Pairs for `preference`) and their batches.
 
-    `skipped` (reason -> rows), `truncated` (the responses of its examples that were cut to max_response_length,
-    both sides of a pair counted; a row or pair skipped after its cut is not), `other_roles` (role -> examples with
-    a turn of that role roll does not know, rendered as untrained context: roll_core.posttrain.row_values) and
+    `skipped` (reason -> rows), `truncated` (the responses of its examples that were cut to max_response_length, both
+    sides of a pair counted; a row or pair skipped after its cut is not), `other_roles` (role -> examples with a turn of
+    that role roll does not know, rendered as untrained context: roll_core.posttrain.row_values), `renamed_roles` (alias
+    -> examples whose messages named a role by another data set's name, read as the role it names: "human->user") and
     `stats` (kind-specific counts, e.g. `prompts_without_pair`) describe how the files were read, for the run's
     metrics."""
 
@@ -106,9 +107,12 @@ class RowSource:
         sides = (t for x in self.items for t in ((x.chosen, x.rejected) if isinstance(x, Pair) else (x,)))
         self.truncated = sum(t.truncated for t in sides)
         self.other_roles: dict[str, int] = {}
+        self.renamed_roles: dict[str, int] = {}
         for x in self.items:
-            for role in set(x.chosen.other_roles + x.rejected.other_roles if isinstance(x, Pair) else x.other_roles):
-                self.other_roles[role] = self.other_roles.get(role, 0) + 1
+            parts = (x.chosen, x.rejected) if isinstance(x, Pair) else (x,)
+            for counts, field in ((self.other_roles, "other_roles"), (self.renamed_roles, "renamed_roles")):
+                for name in {n for t in parts for n in getattr(t, field)}:  # an example (a pair) counts once
+                    counts[name] = counts.get(name, 0) + 1
         self.stats = dict(stats or {})
 
     def __len__(self) -> int:
@@ -166,6 +170,16 @@ class PostTrainData:
         out = dict(self.train.other_roles)
         for role, n in (self.eval.other_roles if self.eval is not None else {}).items():
             out[role] = out.get(role, 0) + n
+        return dict(sorted(out.items()))
+
+    @property
+    def renamed_roles(self) -> dict[str, int]:
+        """Examples of `data.path` and `data.eval_path` whose messages named a role by another data set's name, by
+        rename ("human->user" -> examples: `RowSource.renamed_roles`, read as the standard role), summed as
+        `other_roles` is: the run summary's `renamed_roles`."""
+        out = dict(self.train.renamed_roles)
+        for name, n in (self.eval.renamed_roles if self.eval is not None else {}).items():
+            out[name] = out.get(name, 0) + n
         return dict(sorted(out.items()))
 
     @property
@@ -229,6 +243,12 @@ def load_rows(
                 len(source),
                 role,
                 ", ".join(KNOWN_ROLES),
+            )
+        if source.renamed_roles:  # once per load: read as meant, but said (the run summary's renamed_roles)
+            log.info(
+                "%s: read roles named by another data set as the standard ones (examples): %s",
+                setting,
+                ", ".join(f"{name} ({n})" for name, n in sorted(source.renamed_roles.items())),
             )
         return source
 

@@ -65,8 +65,10 @@ from roll_core.posttrain.row_values import (
     check_messages,
     check_text,
     check_tools,
+    messages_column,
     need,
     other_roles,
+    renamed_roles,
     row_messages,
     tool_call_names,
     train_flag,
@@ -109,8 +111,9 @@ class TokenRow:
     `key` (its prompt ids exactly: pairing, and the hash that decides its held-out side; `loose_prompt_keys` says
     which prompts are one problem but for whitespace), `aligned` sequences (first dimension: one item per
     response token, e.g. a teacher's top-k as an (R, K) tensor) that are cut with the response, `truncated`
-    (the length limit cut its response) and `other_roles` (its messages' roles that roll does not know:
-    row_values' `other_roles`, rendered as context; counted by the loader)."""
+    (the length limit cut its response), `other_roles` (its messages' roles that roll does not know:
+    row_values' `other_roles`, rendered as context; counted by the loader) and `renamed_roles` (the role aliases
+    its messages were read through, "human->user": row_values' `renamed_roles`; counted by the loader)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -120,6 +123,7 @@ class TokenRow:
     aligned: dict[str, list[Any]] = field(default_factory=dict)
     truncated: bool = False
     other_roles: tuple[str, ...] = ()
+    renamed_roles: tuple[str, ...] = ()
 
 
 def loose_prompt_keys(tokenizer: Any, prompts: Sequence[Sequence[int]]) -> list[str]:
@@ -280,7 +284,8 @@ class SFTTokenizer:
             messages = row_messages(row, cfg.messages_key)
             trained = [train_flag(m) for m in messages]
             _check_answers(messages, trained)
-            return self.chat_row(messages, trained, row.get("tools"))
+            renamed = renamed_roles(row[messages_column(row, cfg.messages_key)])
+            return self.chat_row(messages, trained, row.get("tools"), renamed=renamed)
         if form == "prompt_completion":
             prompt, completion = need(row, cfg.prompt_key), need(row, cfg.completion_key)
             if isinstance(prompt, str) and isinstance(completion, str) and not cfg.chat_template:
@@ -293,7 +298,7 @@ class SFTTokenizer:
             c = self.as_messages(completion, cfg.completion_key, "assistant")
             trained = [False] * len(p) + [train_flag(m) for m in c]
             _check_answers(p + c, trained)
-            return self.chat_row(p + c, trained, row.get("tools"))
+            return self.chat_row(p + c, trained, row.get("tools"), renamed=renamed_roles(prompt, completion))
         raise ValueError(f"not an SFT row form: {form!r} (one of {', '.join(SFT_FORMATS)})")
 
     def as_messages(self, value: Any, key: str, role: str) -> list[dict[str, Any]]:
@@ -302,10 +307,14 @@ class SFTTokenizer:
             return [{"role": role, "content": check_text(value, key)}]
         return check_messages(value, key)
 
-    def chat_row(self, messages: list[dict[str, Any]], trained: list[bool], tools: Any) -> TokenRow:
-        """A conversation through the chat template (`trained[i]`: assistant message i is trained)."""
+    def chat_row(
+        self, messages: list[dict[str, Any]], trained: list[bool], tools: Any, *, renamed: tuple[str, ...] = ()
+    ) -> TokenRow:
+        """A conversation through the chat template (`trained[i]`: assistant message i is trained); `renamed`: the
+        role aliases the row's messages were read through (`TokenRow.renamed_roles`)."""
         prompt, response, mask = self.chat.encode(messages, trained, check_tools(tools))
-        return TokenRow(prompt, response, mask, key=json.dumps(prompt), other_roles=other_roles(messages))
+        roles = other_roles(messages)
+        return TokenRow(prompt, response, mask, key=json.dumps(prompt), other_roles=roles, renamed_roles=renamed)
 
     def raw_text(self, prompt: str, completion: str) -> TokenRow:
         """Text without a template: the tokenizer's leading special tokens (bos) and the prompt's ids, then the

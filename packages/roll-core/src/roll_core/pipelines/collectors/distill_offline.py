@@ -176,11 +176,13 @@ class OfflineDistillCollector:
     def summary(self) -> dict[str, Any]:
         """Rows skipped (by reason) or cut when the files were read, training rows also held out (`data_counts`),
         rows with turns of a role roll does not know, by role (`other_roles`: untrained context; SFT rows with
-        distill.teacher), and rows the teacher scored; with distill.eval_task, the task's held-out problems beyond
+        distill.teacher), rows whose roles were read through another data set's names, by rename (`renamed_roles`,
+        "human->user"), and rows the teacher scored; with distill.eval_task, the task's held-out problems beyond
         pipeline.eval_size in `unused_held_out` (`_data_counts`)."""
         return {
             **self._data_counts(),
             "other_roles": self.data.other_roles,
+            "renamed_roles": self.data.renamed_roles,
             "truncated_rows": self.data.train.truncated,
             "teacher_scored_rows": len(self.cache),
         }

@@ -233,6 +233,7 @@ class DPOCollector:
     def summary(self) -> dict[str, Any]:
         """How the files were read: pairs, skipped rows by reason and training pairs also held out
         (`data_counts`), pairs with turns of a role roll does not know, by role (`other_roles`: untrained context),
+        pairs whose roles were read through another data set's names, by rename (`renamed_roles`, "human->user"),
         truncated responses, pair-building counts; with dpo.generate_eval, the task's held-out problems beyond
         pipeline.eval_size in `unused_held_out` (`_data_counts`)."""
         src = self.train_pairs
@@ -241,6 +242,7 @@ class DPOCollector:
             "held_out_pairs": len(self.eval_pairs) if self.eval_pairs is not None else 0,
             **self._data_counts(),
             "other_roles": self.data.other_roles,
+            "renamed_roles": self.data.renamed_roles,
             "truncated_responses": src.truncated,
             **({"pair_stats": dict(src.stats)} if src.stats else {}),
         }

@@ -238,13 +238,14 @@ class SFTCollector:
         warn_if_other_rows(state, self._fingerprint, len(self.train), "rows", log)
 
     def summary(self) -> dict[str, Any]:
-        """How the files were read: rows skipped by reason, training rows also held out (`data_counts`), rows with
-        turns of a role roll does not know, by role (`other_roles`: untrained context), responses truncated, rows
-        trained and held out; the task's held-out problems beyond pipeline.eval_size in `unused_held_out`
-        (`_data_counts`)."""
+        """How the files were read: rows skipped by reason, training rows also held out (`data_counts`), rows with turns
+        of a role roll does not know, by role (`other_roles`: untrained context), rows whose roles were read through
+        another data set's names, by rename (`renamed_roles`, "human->user"), responses truncated, rows trained and held
+        out; the task's held-out problems beyond pipeline.eval_size in `unused_held_out` (`_data_counts`)."""
         return {
             **self._data_counts(),
             "other_roles": self.data.other_roles,
+            "renamed_roles": self.data.renamed_roles,
             "truncated_rows": self.train.truncated + (self.held_out.truncated if self.held_out is not None else 0),
             "train_rows": len(self.train),
             "held_out_rows": len(self.held_out or ()),
