@@ -213,6 +213,17 @@ def test_a_redo_whose_new_run_cannot_be_created_in_a_read_only_store_goes_on(
     assert read_run(client, replaced) == {1: {"loss": 1.0}, 2: {"loss": 20.0}, 3: {"loss": 30.0}}
 
 
+def _resume_and_log(run: Path, caplog: pytest.LogCaptureFixture, step: int) -> None:
+    """Resume `run`'s tracker (mlflow, RECORD_CONFIG) at `step` - 1 and log `step` (loss `step`), roll's warnings
+    captured; closed once its backend is done (nothing raises into training)."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    resumed = Tracker(run, RECORD_CONFIG, ["mlflow"], resume=True)
+    resumed.truncate(step - 1)
+    resumed.log(step, {"loss": float(step)})
+    resumed.backends[0].wait()  # nothing raises into training
+    resumed.close(failed=False)
+
+
 def _recorded_state(run: Path) -> dict[str, Any]:
     return dict(json.loads((run / "mlflow" / "run.json").read_text()))
 
@@ -241,12 +252,7 @@ def test_a_resume_whose_run_json_cannot_be_used_starts_a_new_run_with_the_folder
     }[damage]
     (run / "mlflow" / "run.json").write_text(damaged)
 
-    caplog.set_level(logging.WARNING, logger=LOGGER)
-    resumed = Tracker(run, RECORD_CONFIG, ["mlflow"], resume=True)
-    resumed.truncate(3)
-    resumed.log(4, {"loss": 4.0})
-    resumed.backends[0].wait()  # nothing raises into training
-    resumed.close(failed=False)
+    _resume_and_log(run, caplog, 4)
     from roll_core.trackers.mlflow import read_run
 
     warned = _ours(caplog, logging.WARNING)
@@ -342,6 +348,67 @@ def test_an_unsent_json_that_cannot_be_written_is_said_once_and_a_resume_sends_t
     assert read_run(client, recorded_id) == {s: {"loss": float(s)} for s in (1, 2, 3, 4)}
 
 
+@pytest.fixture(scope="module")
+def unsent(recorded: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`recorded` resumed at step 3, steps 4-5 logged (with a sample table at 4) while the server is away: closed,
+    they are in unsent.json and run.json counts them (last step 5). Each test works on its own copy (`_copy`)."""
+    from mlflow.tracking import MlflowClient
+
+    from roll_core.trackers.mlflow_end import stop_deliveries
+
+    run = _copy(recorded, tmp_path_factory.mktemp("mlflow-unsent"))
+    with pytest.MonkeyPatch.context() as mp:
+        clear_mlflow_env(mp)
+        tracker = Tracker(run, RECORD_CONFIG, ["mlflow"], resume=True)
+        tracker.truncate(3)
+        tracker.backends[0].wait()
+        tracker.backends[0].client = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")  # nobody there
+        tracker.samples(4, [{"prompt": "p", "response": "r"}])
+        tracker.log(4, {"loss": 4.0})
+        tracker.log(5, {"loss": 5.0})
+        tracker.close(failed=False)
+        stop_deliveries()
+    kept = json.loads((run / "mlflow" / "unsent.json").read_text())
+    assert sorted({m[3] for m in kept["metrics"]}) == [4, 5] and _recorded_state(run)["last_step"] == 5
+    return run
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("damage", ["cut", "no metrics", "a point cut short"])
+def test_a_resume_whose_unsent_json_cannot_be_used_replaces_the_run_with_the_folders_steps(
+    unsent: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """unsent.json cut by a crash while `close()` wrote it, or a part of it missing / of another shape: the resume
+    raised a JSONDecodeError / KeyError into training (or a send failed on the point). Ignored, steps 4-5 (counted
+    as held by run.json) and the step-4 table were lost. Now it is warned about once, naming the file, and the run is
+    not continued: a new MLflow run holds steps 1-6 once each and the table, the recorded one is superseded."""
+    run = _copy(unsent, tmp_path)
+    recorded_id = run_id_of(run)
+    path = run / "mlflow" / "unsent.json"
+    kept = json.loads(path.read_text())
+    text = json.dumps(kept)
+    damaged = {
+        "cut": text[: len(text) // 2],
+        "no metrics": json.dumps({k: v for k, v in kept.items() if k != "metrics"}),
+        "a point cut short": json.dumps({**kept, "metrics": [m[:3] for m in kept["metrics"]]}),
+    }[damage]
+    path.write_text(damaged)
+
+    _resume_and_log(run, caplog, 6)
+    from roll_core.trackers.mlflow import read_run
+
+    warned = _ours(caplog, logging.WARNING)
+    assert len(warned) == 1 and f"{path} cannot be used (" in warned[0], warned
+    assert not _ours(caplog, logging.ERROR)
+    client, new = _client(run), _recorded_state(run)
+    assert new["run_id"] != recorded_id and new["last_step"] == 6
+    assert read_run(client, new["run_id"]) == {s: {"loss": float(s)} for s in range(1, 7)}
+    assert sorted(p.step for p in client.get_metric_history(new["run_id"], "loss")) == list(range(1, 7))  # once each
+    assert [a.path for a in client.list_artifacts(new["run_id"], "samples")] == ["samples/step_000004.json"]
+    assert client.get_run(recorded_id).info.lifecycle_stage == "deleted"
+    assert not path.exists() and not (run / "mlflow" / "end.json").exists()
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_run_created_but_not_usable_is_not_left_running(
     recorded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -374,12 +441,7 @@ def test_a_run_created_but_not_usable_is_not_left_running(
     # a resume that starts a new run (no usable record) where run.json cannot be written
     (run / "mlflow" / "run.json").unlink()
     (run / "mlflow" / "run.json.tmp").mkdir()
-    caplog.set_level(logging.WARNING, logger=LOGGER)
-    resumed = Tracker(run, RECORD_CONFIG, ["mlflow"], resume=True)
-    resumed.truncate(3)
-    resumed.log(4, {"loss": 4.0})
-    resumed.backends[0].wait()  # nothing raises into training
-    resumed.close(failed=False)
+    _resume_and_log(run, caplog, 4)
     errors = _ours(caplog, logging.ERROR)
     assert len(errors) == 1 and f"{run / 'mlflow' / 'run.json'} cannot be written (IsADirectoryError" in errors[0]
     assert [(r.status, r.lifecycle_stage) for r in others()] == [("KILLED", "deleted")] * 2

@@ -169,7 +169,7 @@ class MlflowTracker(MlflowResume, MlflowClose):
         self.outage_dropped = Dropped()  # what this outage dropped (its warnings)
         self._reported = [0, 0]  # the failures and dropped counts last buffered as metrics
         self.store_failure: str | None = None  # a local store that cannot be written: nothing more is sent (`_broken`)
-        self.state_said = False  # a run.json the resume cannot use was warned about (`_recorded`)
+        self.state_said = False  # a run.json / unsent.json the resume cannot use was warned about (`_recorded`)
         # A resumed run whose MLflow run is not open yet: the recorded run is valid up to this step (`_open`).
         self.resume_step: int | None = None
         self.seen_step = -1  # the last step given to this backend while its run is not open

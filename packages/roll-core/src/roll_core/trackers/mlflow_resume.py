@@ -21,6 +21,11 @@ unsent.json first).
 A run.json the resume cannot use (cut by a crash of an attempt that wrote it in place, its `run_id` or `last_step`
 missing or of another type) is warned about once, naming it, and taken for none: a new MLflow run replays the run
 folder's steps (the run it recorded, if any, is left as it is). It raised into training.
+An unsent.json of the recorded run that the resume cannot use (cut by a crash while `close()` wrote it, a part
+missing or of another type) is warned about once, naming it, and the run is not continued: a new MLflow run replays
+the run folder's steps and supersedes it, as above. Its points are counted in run.json's last step, and which of
+them the server lacks is not known exactly (a step the server took in part, a sample table unsent after its points):
+continued, the run lost them or showed some twice. It raised into training.
 
 A resumed run whose server does not answer goes on without it: a warning says so (counted as a failed send), and
 the MLflow run is opened (continued or replaced, as above) at a later log once the server answers (`_ensure_run`),
@@ -240,6 +245,9 @@ class MlflowResume:
                 *(run_id, held, recorded, self.dir / STATE_FILE),
             )
             return False
+        usable, unsent = self._read_unsent(run_id)
+        if not usable:  # run.json counts its points as held: continued, the run lacked them for good
+            return False
         self.run_id = run_id
         try:
             self.tables = list(json.loads(run.data.tags.get(LOGGED_ARTIFACTS_TAG, "[]")))
@@ -253,7 +261,8 @@ class MlflowResume:
             log.warning("MLflow params keep their first values; changed on resume: %s", ", ".join(changed[:10]))
         self.pending_params = {k: v for k, v in new.items() if k not in run.data.params}
         self.pending_artifacts["config.yaml"] = self._config_text()
-        self._load_unsent()
+        if unsent is not None:
+            self._load_unsent(unsent)
         return True
 
     def _supersede(self, old: str, new: str) -> bool:
@@ -277,18 +286,74 @@ class MlflowResume:
             self._add_samples(step, rows)
         self._flush(final=True)
 
-    def _load_unsent(self) -> None:
+    def _read_unsent(self, run_id: str) -> tuple[bool, dict[str, Any] | None]:
+        """unsent.json's buffer for `_continue` of the run `run_id`: (True, None) when there is none or it is another
+        run's. (False, None) when it cannot be used (cut by a crash while `close()` wrote it, a part missing or of
+        another type): warned about once, naming the file, and the run is not continued: a new MLflow run replays
+        the run folder's steps (the module docstring). Continuing and replaying from metrics.jsonl after the
+        server's last step cannot be exact: a step whose points the server took only in part (a batch cut inside
+        it), or whose sample table was still unsent after its points, is either sent twice or lost. (It raised
+        into training: a ValueError, a KeyError.)"""
         path = self.dir / UNSENT_FILE
         if not path.exists():
-            return
-        unsent = json.loads(path.read_text())
-        if unsent.get("run_id") != self.run_id:
-            return
+            return True, None
+        try:
+            unsent = json.loads(path.read_text())
+            bad = _unsent_problem(unsent, run_id)
+        except (OSError, ValueError) as exc:
+            unsent, bad = None, f"{type(exc).__name__}: {exc}"
+        if bad is None:
+            return True, (unsent if unsent["run_id"] == run_id else None)
+        if not self.state_said:
+            self.state_said = True
+            log.warning(
+                "MLflow: %s cannot be used (%s): run %s is not continued (the points it lacks are not known); this "
+                "resumed run starts a new MLflow run, sent the run folder's steps from metrics.jsonl",
+                *(path, redact_text(bad)[:300], run_id),
+            )
+        return False, None
+
+    def _load_unsent(self, unsent: dict[str, Any]) -> None:
+        """Put unsent.json's buffer (`_read_unsent`) before what is buffered now."""
         self.pending_params = {**unsent["params"], **self.pending_params}
         self.pending_tags = {**unsent["tags"], **self.pending_tags}
         self.pending_metrics = [tuple(m) for m in unsent["metrics"]] + self.pending_metrics  # type: ignore[misc]
         self.pending_artifacts = {**unsent["artifacts"], **self.pending_artifacts}
         log.info("MLflow: %d metric points of an earlier attempt are sent now", len(unsent["metrics"]))
+
+
+def _unsent_problem(unsent: Any, run_id: str) -> str | None:
+    """Why unsent.json's content (as `MlflowTracker._save_unsent` writes it) cannot be used for the run `run_id`;
+    None when it can. One of another run (its `run_id` a string) is not looked into: it is not loaded."""
+    if not isinstance(unsent, dict):
+        return f"not an object: {type(unsent).__name__}"
+    recorded = unsent.get("run_id")
+    if not isinstance(recorded, str) or not recorded:
+        return f"run_id is {recorded!r}"
+    if recorded != run_id:
+        return None
+    for part in ("params", "tags", "artifacts"):
+        value = unsent.get(part)
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return f"{part} is not an object of strings"
+    metrics = unsent.get("metrics")
+    if not isinstance(metrics, list):
+        return f"metrics is {type(metrics).__name__}, not a list"
+    for point in metrics:
+        if not (isinstance(point, list) and len(point) == 4 and isinstance(point[0], str)):
+            return f"a metric point is {str(point)[:80]}"
+        value, timestamp, step = point[1:]
+        if not (_number(value) and _integer(timestamp) and _integer(step)):
+            return f"a metric point is {str(point)[:80]}"
+    return None
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, float) or _integer(value)
 
 
 def recorded_store_is_this(state: dict[str, Any], uri: str, shown_uri: str, local: bool) -> bool:
