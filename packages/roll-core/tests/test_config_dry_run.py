@@ -11,28 +11,11 @@ Compose only: nothing trains (the task function is replaced by one that records 
 
 from __future__ import annotations
 
-import sys
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 
-from roll_core import cli
 from roll_core.config import ConfigError, load_config
-
-
-def _train(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
-    """roll-train `args` with the run replaced (it must not be reached); returns the exit status."""
-
-    def run(cfg: Any) -> dict[str, Any]:
-        raise AssertionError("--cfg must not run the job")
-
-    monkeypatch.setattr(cli, "run_job", run)
-    monkeypatch.setattr(sys, "argv", ["roll-train", *args])
-    try:
-        cli.train_main()
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    return 0
 
 
 @pytest.mark.parametrize(
@@ -46,27 +29,27 @@ def _train(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
     ],
 )
 def test_cfg_job_refuses_what_the_run_would_refuse(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+    roll_train: Callable[..., int], capsys: pytest.CaptureFixture[str], args: list[str], says: str
 ) -> None:
-    assert _train(monkeypatch, *args) == 2
+    assert roll_train(*args) == 2
     out, err = capsys.readouterr()
     assert says in err and "invalid config" in err
     assert out == ""  # the invalid config is not printed as if it were fine
 
 
 def test_cfg_job_still_prints_a_valid_config_and_one_whose_resolvers_need_the_run(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    roll_train: Callable[..., int], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert _train(monkeypatch, "experiment=quickstart", "algo.lr=2e-6", "--cfg", "job") == 0
+    assert roll_train("experiment=quickstart", "algo.lr=2e-6", "--cfg", "job") == 0
     assert "lr: 2.0e-06" in capsys.readouterr().out
     # ${hydra:...} resolves only inside a run: no proof the config is wrong, so it is printed (with a warning)
-    assert _train(monkeypatch, "--cfg", "job", "pipeline.output_dir=${hydra:runtime.output_dir}") == 0
+    assert roll_train("--cfg", "job", "pipeline.output_dir=${hydra:runtime.output_dir}") == 0
     assert "output_dir: ${hydra:runtime.output_dir}" in capsys.readouterr().out
     # a value the user is to set (env.path: `???`) is printed as such, the rest checked
-    assert _train(monkeypatch, "--cfg", "job", "experiment=sweep_tiny") == 0
+    assert roll_train("--cfg", "job", "experiment=sweep_tiny") == 0
     assert "path: ???" in capsys.readouterr().out
     # Hydra's own node is not the job's config: left to Hydra
-    assert _train(monkeypatch, "--cfg", "hydra", "algo.group_size=0") == 0
+    assert roll_train("--cfg", "hydra", "algo.group_size=0") == 0
 
 
 @pytest.mark.parametrize(

@@ -16,14 +16,12 @@ Compose only, and a local TCP socket: no Ray instance starts, no model loads.
 from __future__ import annotations
 
 import socket
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from roll_core import cli
 from roll_core.config import load_config
 from roll_core.errors import ConfigError
 from roll_core.pipelines.wiring import RoleNeeds, build_roles
@@ -138,21 +136,6 @@ def test_unreachable_tells_a_listening_address_from_a_closed_one(closed_port: in
     assert unreachable("local") == ""  # starts a new instance: nothing to join
 
 
-def _train(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
-    """roll-train `args` with the run replaced (it must not be reached); returns the exit status."""
-
-    def run(cfg: Any) -> dict[str, Any]:
-        raise AssertionError("--cfg must not run the job")
-
-    monkeypatch.setattr(cli, "run_job", run)
-    monkeypatch.setattr(sys, "argv", ["roll-train", *args])
-    try:
-        cli.train_main()
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    return 0
-
-
 @pytest.mark.parametrize(
     ("override", "says"),
     [
@@ -161,10 +144,10 @@ def _train(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
     ],
 )
 def test_cfg_job_refuses_ray_resources_ray_would_refuse(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], override: str, says: str
+    roll_train: Callable[..., int], capsys: pytest.CaptureFixture[str], override: str, says: str
 ) -> None:
     import re
 
-    assert _train(monkeypatch, "cluster=ray", override, "--cfg", "job") == 2
+    assert roll_train("cluster=ray", override, "--cfg", "job") == 2
     out, err = capsys.readouterr()
     assert re.search(says, err) and out == ""

@@ -10,34 +10,18 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
 import sys
-import textwrap
 import weakref
+from collections.abc import Callable
 
 import pytest
 
 from roll_core.eval_stop import EvalStop, EvalStopped
 
-#: The child scripts' common part: a stop dropped by Python (the weakref callback's exception is only "ignored"; roll's
-#: hook keeps it), `after` run inside the callback (a library installing its own handler).
+#: The child scripts' common part, before the conftest's DROP_A_STOP (a stop dropped by Python, `after` run inside
+#: the callback): a busy wait.
 PRELUDE = """
 import os, signal, sys, threading, time, weakref
-
-class O:
-    pass
-
-def drop_a_stop(after=lambda: None):
-    o = O()
-
-    def cb(_):
-        try:
-            signal.raise_signal(signal.SIGINT)
-        finally:
-            after()
-
-    r = weakref.ref(o, cb)
-    del o
 
 def busy(seconds):  # stands for the run's work (an evaluation, Ray's connection), polled, not slept
     deadline = time.monotonic() + seconds
@@ -46,20 +30,14 @@ def busy(seconds):  # stands for the run's work (an evaluation, Ray's connection
 """
 
 
-def _child(body: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
-    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return proc.stdout
-
-
-def test_a_stop_kept_while_a_library_s_handler_is_installed_is_raised_once_roll_s_is_back() -> None:
+def test_a_stop_kept_while_a_library_s_handler_is_installed_is_raised_once_roll_s_is_back(
+    stop_child: Callable[[str, str], str],
+) -> None:
     """A Ctrl-C dropped in a weakref callback while a library's handler got installed: the re-delivery gave up (not to
     the library's handler) and nothing raised the stop later; the evaluation ran to its end (5 s of 5 s here) and
     roll-eval exited 0."""
-    out = _child(
+    out = stop_child(
+        PRELUDE,
         """
         from roll_core.eval_stop import EvalStop, EvalStopped
 
@@ -75,7 +53,7 @@ def test_a_stop_kept_while_a_library_s_handler_is_installed_is_raised_once_roll_
         except EvalStopped as exc:
             print("stopped by", exc.signum, "late", time.monotonic() - back < 2)
         print("library handler calls:", len(library))
-        """
+        """,
     )
     assert out == f"stopped by {int(signal.SIGINT)} late True\nlibrary handler calls: 0\n", out
 
@@ -108,11 +86,14 @@ def test_a_stop_still_kept_when_the_block_ends_is_said(caplog: pytest.LogCapture
     assert "was not raised again before EvalStop ended" in caplog.text
 
 
-def test_a_second_ctrl_c_inside_a_hung_ray_connection_with_a_kept_stop_aborts_at_once() -> None:
+def test_a_second_ctrl_c_inside_a_hung_ray_connection_with_a_kept_stop_aborts_at_once(
+    stop_child: Callable[[str, str], str],
+) -> None:
     """A dropped stop re-delivered inside `ray.init`'s connection is kept for the rearm() after it; the user's next
     Ctrl-C there was kept too (and every one after it): a connection to a cluster that does not answer ran on, 4.8 s
     of its 5 s here, minutes for Ray's."""
-    out = _child(
+    out = stop_child(
+        PRELUDE,
         """
         from roll_core.pipelines.run_control import BuildStop
 
@@ -142,7 +123,7 @@ def test_a_second_ctrl_c_inside_a_hung_ray_connection_with_a_kept_stop_aborts_at
                 print("CONNECTED")
         except KeyboardInterrupt as exc:
             print(type(exc).__name__, "at once", time.monotonic() - sent[0] < 2)
-        """
+        """,
     )
     assert out == "KeyboardInterrupt at once True\n", out
 

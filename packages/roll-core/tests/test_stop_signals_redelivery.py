@@ -9,36 +9,21 @@ torch's and transformers' callbacks while a model loads.
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
-import textwrap
 import weakref
+from collections.abc import Callable
 
 import pytest
 
 from roll_core.eval_stop import EvalStop
 from roll_core.pipelines.run_control import BuildStop, StoppedWhileBuilding
 
-#: Code shared by the child scripts: a dropped stop (the callback's StoppedWhileBuilding is only "ignored" by Python,
-#: the hook keeps it and a thread delivers it again) and a wait for that thread's end.
+#: Code shared by the child scripts, before the conftest's DROP_A_STOP (a dropped stop: the callback's
+#: StoppedWhileBuilding is only "ignored" by Python, the hook keeps it and a thread delivers it again): a wait for
+#: that thread's end.
 PRELUDE = """
 import signal, sys, threading, weakref
 from roll_core.pipelines.run_control import BuildStop, StoppedWhileBuilding
-
-class O:
-    pass
-
-def drop_a_stop(after=lambda: None):
-    o = O()
-
-    def cb(_):
-        try:
-            signal.raise_signal(signal.SIGINT)  # the handler raises the stop here, where Python drops it
-        finally:
-            after()
-
-    r = weakref.ref(o, cb)
-    del o
 
 def join_resend():
     for t in threading.enumerate():
@@ -48,21 +33,15 @@ def join_resend():
 """
 
 
-def _child(body: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
-    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return proc.stdout
-
-
-def test_a_library_s_handler_gets_no_re_delivered_stop_and_the_next_ctrl_c_still_aborts() -> None:
+def test_a_library_s_handler_gets_no_re_delivered_stop_and_the_next_ctrl_c_still_aborts(
+    stop_child: Callable[[str, str], str],
+) -> None:
     """A library installed its own SIGINT handler while the dropped stop waited: the re-delivery went to the library's
     handler (a signal the user never sent, 1 of 1), and roll's mark of a delivery in flight stayed set, so the
     user's next Ctrl-C (the abort of the build's cleanup) was taken for that delivery and ignored. The stop is kept
     meanwhile: delivered once roll's handler is back, else raised by the build's end (`check()`)."""
-    out = _child(
+    out = stop_child(
+        PRELUDE,
         """
         import time
 
@@ -89,18 +68,21 @@ def test_a_library_s_handler_gets_no_re_delivered_stop_and_the_next_ctrl_c_still
         except KeyboardInterrupt as exc:
             print("cleanup aborted by", type(exc).__name__)
         print("library handler calls:", len(library))
-        """
+        """,
     )
     assert "library handler calls: 0" in out, out
     assert "NOT STOPPED" not in out and "SECOND CTRL-C IGNORED" not in out, out
     assert "cleanup aborted by KeyboardInterrupt" in out, out
 
 
-def test_a_re_delivered_stop_inside_ray_s_connection_is_deferred_as_a_signal_there_is() -> None:
+def test_a_re_delivered_stop_inside_ray_s_connection_is_deferred_as_a_signal_there_is(
+    stop_child: Callable[[str, str], str],
+) -> None:
     """A first signal inside `ray.init`'s connection (the CoreWorker constructor) is raised after it: raised there, it
     left a half-made core worker and the process crashed at exit. The re-delivery of a dropped stop that lands
     there was raised there all the same."""
-    out = _child(
+    out = stop_child(
+        PRELUDE,
         """
         ray_worker = {"__name__": "ray._private.worker"}
         exec("def connect(step):\\n    return step()\\n", ray_worker)
@@ -124,7 +106,7 @@ def test_a_re_delivered_stop_inside_ray_s_connection_is_deferred_as_a_signal_the
         except StoppedWhileBuilding as exc:
             print("stopped by", exc.signum)
         print("reached", reached)
-        """
+        """,
     )
     assert f"stopped by {int(signal.SIGINT)}" in out, out
     assert "reached ['connected', 'ray.init returned']" in out, out
@@ -193,11 +175,14 @@ def test_an_instance_entered_again_restores_the_handlers_found_the_second_time()
     assert calls == ["between the blocks"]
 
 
-def test_a_stop_raised_inside_the_hook_itself_is_kept_and_raised_after_it() -> None:
+def test_a_stop_raised_inside_the_hook_itself_is_kept_and_raised_after_it(
+    stop_child: Callable[[str, str], str],
+) -> None:
     """A Ctrl-C while roll's hook passed another dropped exception to the hook found on entry (a Python one: pytest's,
     a user's): the stop was raised out of sys.unraisablehook, where Python prints `Exception ignored in
     sys.unraisablehook` and drops it, and the evaluation went on to the end."""
-    out = _child(
+    out = stop_child(
+        PRELUDE,
         """
         import time
         from roll_core.eval_stop import EvalStop, EvalStopped
@@ -221,6 +206,6 @@ def test_a_stop_raised_inside_the_hook_itself_is_kept_and_raised_after_it() -> N
                 print("EVALUATED TO THE END")
         except EvalStopped as exc:
             print("stopped by", exc.signum)
-        """
+        """,
     )
     assert out == f"stopped by {int(signal.SIGINT)}\n", out

@@ -6,58 +6,25 @@ storage with a seeded sampler asks new values, not the earlier sweep's again."""
 from __future__ import annotations
 
 import sys
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
-
-with warnings.catch_warnings():  # Optuna 2.10 imports declarative_base from SQLAlchemy's 1.x place (deprecated)
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import optuna
-    from hydra_plugins.hydra_optuna_sweeper.config import Direction
-
+sys.path.insert(0, str(Path(__file__).parent))  # optuna_sweeps, shared by the Optuna sweep tests
 from omegaconf import OmegaConf
+from optuna_sweeps import OPTUNA_SWEEPER, SQLALCHEMY_1_WARNINGS, Direction, optuna
 
-from roll_core import cli
 from roll_core.sweep_optuna import continued_seed, direction_problem, prepare_study_storage, reseed_continued
-from roll_core.testing.sweeps import optuna_sweep_args, reset_sweep_state, root_logging_restored, summary_rows
+from roll_core.testing.sweeps import optuna_sweep_args, summary_rows
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:.*with_labels:DeprecationWarning"),
-]
-OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    reset_sweep_state(monkeypatch)  # the sweeps and failures are per process: every test starts from none
-    with root_logging_restored():
-        yield
-
-
-def _roll_train(monkeypatch: pytest.MonkeyPatch, args: list[str], ran: list[float]) -> int:
-    """roll-train `args` with each job's run faked (accuracy lr * 1e5, its lr appended to `ran`); its exit code."""
-
-    def run(cfg: Any) -> dict[str, Any]:
-        ran.append(cfg.algo.lr)
-        return {"final_eval_accuracy": cfg.algo.lr * 1e5, "stopped_by_signal": None}
-
-    monkeypatch.setattr(cli, "run_job", run)
-    monkeypatch.setattr(sys, "argv", ["roll-train", *args])
-    try:
-        cli.train_main()
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
+# the sweeps and failures are per process: every test starts from none
+pytestmark = [*SQLALCHEMY_1_WARNINGS, pytest.mark.usefixtures("fresh_sweep_state")]
 
 
 def test_a_sweep_left_at_the_sweepers_default_direction_is_refused_before_any_trial(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, roll_train: Callable[..., int], lr_scored_job: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`roll-train -m hydra/sweeper=optuna algo.lr=interval(...)` minimised the final held-out accuracy (the
     sweeper's default direction): 3 trials ran and optimization_results.yaml named the lowest accuracy (0.196 of
@@ -66,7 +33,7 @@ def test_a_sweep_left_at_the_sweepers_default_direction_is_refused_before_any_tr
     args = [a for a in optuna_sweep_args(sw, 3) if not a.startswith("hydra.sweeper.direction=")]
     ran: list[float] = []
 
-    code = _roll_train(monkeypatch, args, ran)
+    code = roll_train(*args, job=lr_scored_job(ran))
 
     assert (code, ran) == (2, [])
     err = capsys.readouterr().err
@@ -96,7 +63,7 @@ def test_only_maximize_is_a_direction_for_the_accuracy_jobs_return(direction: An
 
 
 def test_a_continued_study_with_a_seeded_sampler_asks_new_values(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, roll_train: Callable[..., int], lr_scored_job: Any
 ) -> None:
     """A sweep continuing a study (same storage and study name) with `hydra.sweeper.sampler.seed=0` asked exactly
     the lr the study's first trial, asked under the same seed, had (its sampler restarted the seed's random stream):
@@ -113,7 +80,7 @@ def test_a_continued_study_with_a_seeded_sampler_asks_new_values(
     ran: list[float] = []
 
     more = (f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=roll")
-    assert _roll_train(monkeypatch, optuna_sweep_args(tmp_path / "sweep", 1, 1, *more), ran) == 0
+    assert roll_train(*optuna_sweep_args(tmp_path / "sweep", 1, 1, *more), job=lr_scored_job(ran)) == 0
 
     assert len(ran) == 1 and ran[0] != earlier, (earlier, ran)
     assert [r["job"] for r in summary_rows(tmp_path / "sweep")] == ["1"]

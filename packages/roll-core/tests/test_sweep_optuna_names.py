@@ -5,25 +5,17 @@ one warning says so and names the setting. A named study is continued, and gets 
 from __future__ import annotations
 
 import logging
-import warnings
+import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
-
-with warnings.catch_warnings():  # Optuna 2.10 imports declarative_base from SQLAlchemy's 1.x place (deprecated)
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import optuna
+sys.path.insert(0, str(Path(__file__).parent))  # optuna_sweeps, shared by the Optuna sweep tests
+from optuna_sweeps import OPTUNA_SWEEPER, SQLALCHEMY_1_WARNINGS, optuna
 
 from roll_core.sweep_optuna import prepare_study_storage
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:.*with_labels:DeprecationWarning"),
-]
-
-OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+pytestmark = SQLALCHEMY_1_WARNINGS
 
 
 def _create(url: str, name: str | None) -> optuna.Study:

@@ -9,61 +9,41 @@ import json
 import sqlite3
 import subprocess
 import sys
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="install roll-core[sweep]")
+sys.path.insert(0, str(Path(__file__).parent))  # optuna_sweeps, shared by the Optuna sweep tests
+from optuna_sweeps import OPTUNA_SWEEPER, SQLALCHEMY_1_WARNINGS, optuna
 
-with warnings.catch_warnings():  # Optuna 2.10 imports declarative_base from SQLAlchemy's 1.x place (deprecated)
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import optuna
-
-from roll_core import cli
 from roll_core.sweep_optuna import needs_stamp, prepare_study_storage, storage_url
 from roll_core.sweep_records import STATUS_FILE
-from roll_core.testing.sweeps import optuna_sweep_args, reset_sweep_state, root_logging_restored, summary_rows
+from roll_core.testing.sweeps import optuna_sweep_args, summary_rows
 
-# Optuna 2.10 uses SQLAlchemy 1.x APIs that SQLAlchemy 2 deprecates (declarative_base's old place in its alembic
-# revisions, Query.with_labels)
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*declarative_base:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:.*with_labels:DeprecationWarning"),
-]
-
-OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+# the sweeps and failures are per process: every test starts from none
+pytestmark = [*SQLALCHEMY_1_WARNINGS, pytest.mark.usefixtures("fresh_sweep_state")]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    reset_sweep_state(monkeypatch)  # the sweeps and failures are per process: every test starts from none
-    with root_logging_restored():
-        yield
+@pytest.fixture
+def sweep(roll_train: Callable[..., int], lr_scored_job: Any) -> Callable[[Path, str, list[float]], None]:
+    """`sweep(sweep_dir, storage, ran)`: roll-train, a 2-trial Optuna sweep over algo.lr into `sweep_dir`, its study
+    `roll` in `storage`; each job returns accuracy lr * 1e5 (in [0.1, 1]) and records its lr in `ran`. Returns when
+    roll-train exits 0."""
 
+    def run(sweep_dir: Path, storage: str, ran: list[float]) -> None:
+        args = optuna_sweep_args(sweep_dir, 2, 1, f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=roll")
+        code = roll_train(*args, job=lr_scored_job(ran))
+        if code != 0:  # roll-train exits only on failure: show why
+            pytest.fail(f"roll-train exited {code}")
 
-def _sweep(monkeypatch: pytest.MonkeyPatch, sweep_dir: Path, storage: str, ran: list[float]) -> None:
-    """roll-train: a 2-trial Optuna sweep over algo.lr into `sweep_dir`, its study `roll` in `storage`; each job
-    returns accuracy lr * 1e5 (in [0.1, 1]) and records its lr in `ran`. Returns when roll-train exits 0."""
-
-    def run(cfg: Any) -> dict[str, Any]:
-        ran.append(cfg.algo.lr)
-        return {"final_eval_accuracy": cfg.algo.lr * 1e5, "stopped_by_signal": None}
-
-    monkeypatch.setattr(cli, "run_job", run)
-    args = optuna_sweep_args(sweep_dir, 2, 1, f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=roll")
-    monkeypatch.setattr(sys, "argv", ["roll-train", *args])
-    try:
-        cli.train_main()
-    except SystemExit as exc:  # roll-train exits only on failure: show why
-        pytest.fail(f"roll-train exited {exc.code}")
+    return run
 
 
 def test_a_second_sweep_continues_the_study_in_its_sqlite_storage(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sweep: Callable[[Path, str, list[float]], None]
 ) -> None:
     """Optuna 2.10's storage set-up never committed its schema revision under SQLAlchemy 2: every sweep with
     `hydra.sweeper.storage` failed at once with an AssertionError from inside Optuna, and no study could be kept or
@@ -73,11 +53,11 @@ def test_a_second_sweep_continues_the_study_in_its_sqlite_storage(
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     ran: list[float] = []
 
-    _sweep(monkeypatch, tmp_path / "sweep1", storage, ran)
+    sweep(tmp_path / "sweep1", storage, ran)
     assert len(ran) == 2
     assert [r["status"] for r in summary_rows(tmp_path / "sweep1")] == ["ok", "ok"]
     monkeypatch.setattr("roll_core.sweep._failed_jobs", [])  # a new roll-train process
-    _sweep(monkeypatch, tmp_path / "sweep2", storage, ran)
+    sweep(tmp_path / "sweep2", storage, ran)
     assert len(ran) == 4
     assert [r["status"] for r in summary_rows(tmp_path / "sweep2")] == ["ok", "ok"]
 
@@ -90,7 +70,7 @@ def test_a_second_sweep_continues_the_study_in_its_sqlite_storage(
 
 
 def test_a_study_continued_into_its_sweep_folder_numbers_its_jobs_after_its_trials(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sweep: Callable[[Path, str, list[float]], None]
 ) -> None:
     """A second sweep continuing the study into the first one's folder (same storage, study name and
     hydra.sweep.dir): Hydra numbered its jobs from 0 again, so they ran in folders 0 and 1 over the first sweep's
@@ -101,9 +81,9 @@ def test_a_study_continued_into_its_sweep_folder_numbers_its_jobs_after_its_tria
     sw = tmp_path / "sweep"
     ran: list[float] = []
 
-    _sweep(monkeypatch, sw, storage, ran)
+    sweep(sw, storage, ran)
     monkeypatch.setattr("roll_core.sweep._failed_jobs", [])  # a new roll-train process
-    _sweep(monkeypatch, sw, storage, ran)
+    sweep(sw, storage, ran)
 
     study = optuna.load_study(study_name="roll", storage=storage)
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 4

@@ -18,6 +18,28 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     return resolve_model_path("builtin:tiny")
 
 
+@pytest.fixture
+def tiny_hf_config():
+    """`tiny_hf_config(cls, **change)`: a transformers config `cls` (a class name, e.g. "Qwen2Config") of a tiny
+    shape (vocab 128, hidden 64, intermediate 96, 2 layers, 4 heads, 2 key/value heads), `change` set over it; no
+    model is built."""
+
+    def build(cls: str, **change: Any) -> Any:
+        import transformers
+
+        shape = {
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+        return getattr(transformers, cls)(**{**shape, **change})
+
+    return build
+
+
 @pytest.fixture(scope="module")
 def megatron_process_group():
     """Megatron engines built in the test process share its process group of one (and Megatron's parallel state);

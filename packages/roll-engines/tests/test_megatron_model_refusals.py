@@ -15,22 +15,6 @@ pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]
 
 from roll_core.errors import ConfigError
 
-SHAPE = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-
-
-def _config(cls: str, **change: Any) -> Any:
-    import transformers
-
-    return getattr(transformers, cls)(**SHAPE, **change)
-
-
 REFUSED = {
     "mistral": (("MistralConfig", {"sliding_window": 8}), "model_type='mistral'"),
     "gemma": (("GemmaConfig", {}), "model_type='gemma'"),
@@ -53,28 +37,28 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_what_the_mapping_cannot_convert_is_a_config_error_naming_it(case: str) -> None:
+def test_what_the_mapping_cannot_convert_is_a_config_error_naming_it(case: str, tiny_hf_config: Any) -> None:
     from roll_engines.train.megatron._convert import check_supported
 
     (cls, change), feature = REFUSED[case]
     with pytest.raises(ConfigError, match=feature):
-        check_supported(_config(cls, **change), tp=1, pp=1)
+        check_supported(tiny_hf_config(cls, **change), tp=1, pp=1)
 
 
 @pytest.mark.parametrize(
     "cls", ["LlamaConfig", "Qwen2Config", "Qwen3Config", "Qwen3MoeConfig", "Qwen2MoeConfig"], ids=lambda c: c[:-6]
 )
-def test_the_families_the_mapping_converts_pass(cls: str) -> None:
+def test_the_families_the_mapping_converts_pass(cls: str, tiny_hf_config: Any) -> None:
     from roll_engines.train.megatron._convert import check_supported
 
-    check_supported(_config(cls), tp=2, pp=1, sequence_parallel=True)
+    check_supported(tiny_hf_config(cls), tp=2, pp=1, sequence_parallel=True)
 
 
-def test_the_engine_refuses_an_unmapped_model_before_building_anything(tmp_path: Path) -> None:
+def test_the_engine_refuses_an_unmapped_model_before_building_anything(tmp_path: Path, tiny_hf_config: Any) -> None:
     """A Mistral folder (config alone: nothing else is read) fails the engine's construction with the ConfigError,
     before any process group or model exists."""
     from roll_engines.train.megatron import MegatronTrainEngine
 
-    _config("MistralConfig", sliding_window=8).save_pretrained(tmp_path)
+    tiny_hf_config("MistralConfig", sliding_window=8).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="model_type='mistral': train it with train_engine=hf or fsdp2"):
         MegatronTrainEngine(str(tmp_path), dist_backend="gloo", use_distributed_optimizer=False)

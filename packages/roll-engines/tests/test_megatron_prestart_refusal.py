@@ -14,15 +14,6 @@ import pytest
 
 from roll_core.errors import ConfigError
 
-SHAPE = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-
 
 class _ClusterStarted(Exception):
     """Raised where the pipeline would start its cluster (Ray, on a cluster=ray run)."""
@@ -51,31 +42,35 @@ def build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     return run
 
 
-def _folder(tmp_path: Path, name: str, cls: str, **change: Any) -> Path:
-    """A model folder holding a config.json alone (no weights: nothing else is read before the cluster starts)."""
-    import transformers
+@pytest.fixture
+def folder(tmp_path: Path, tiny_hf_config: Any):
+    """`folder(name, cls, **change)`: a model folder holding the config.json of `tiny_hf_config(cls, **change)` alone
+    (no weights: nothing else is read before the cluster starts)."""
 
-    folder = tmp_path / name
-    getattr(transformers, cls)(**SHAPE, **change).save_pretrained(folder)
-    return folder
+    def write(name: str, cls: str, **change: Any) -> Path:
+        path = tmp_path / name
+        tiny_hf_config(cls, **change).save_pretrained(path)
+        return path
+
+    return write
 
 
-def test_a_model_megatron_cannot_convert_is_refused_before_the_cluster_starts(build, tmp_path: Path) -> None:
-    mistral = _folder(tmp_path, "mistral", "MistralConfig", sliding_window=8)
+def test_a_model_megatron_cannot_convert_is_refused_before_the_cluster_starts(build, folder) -> None:
+    mistral = folder("mistral", "MistralConfig", sliding_window=8)
     want = rf"model\.path={mistral}: train_engine=megatron maps .* model_type='mistral'"
     with pytest.raises(ConfigError, match=want):
         build("train_engine=megatron", f"model.path={mistral}")
 
 
-def test_the_layout_is_checked_against_the_model_before_the_cluster_starts(build, tmp_path: Path) -> None:
-    qwen2 = _folder(tmp_path, "qwen2", "Qwen2Config")  # 2 key/value heads
+def test_the_layout_is_checked_against_the_model_before_the_cluster_starts(build, folder) -> None:
+    qwen2 = folder("qwen2", "Qwen2Config")  # 2 key/value heads
     layout = ["train_engine=megatron", "train_engine.world_size=4", "train_engine.tensor_parallel_size=4"]
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 must divide the model's 2 key/value heads"):
         build(*layout, f"model.path={qwen2}")
 
 
-def test_a_critic_model_megatron_cannot_convert_names_its_key(build, tmp_path: Path) -> None:
-    gemma = _folder(tmp_path, "gemma", "GemmaConfig")
+def test_a_critic_model_megatron_cannot_convert_names_its_key(build, folder) -> None:
+    gemma = folder("gemma", "GemmaConfig")
     with pytest.raises(ConfigError, match=rf"algo\.critic_model_path={gemma}: .* model_type='gemma'"):
         build("train_engine=megatron", "model=tiny", "algo=ppo", f"algo.critic_model_path={gemma}")
 
@@ -89,16 +84,16 @@ def test_a_critic_model_megatron_cannot_convert_names_its_key(build, tmp_path: P
     ],
     ids=["megatron-llama", "hf-mistral", "megatron-hub-id"],
 )
-def test_what_may_train_reaches_the_cluster(build, tmp_path: Path, overrides: list[str]) -> None:
-    mistral = _folder(tmp_path, "mistral", "MistralConfig", sliding_window=8)
+def test_what_may_train_reaches_the_cluster(build, folder, overrides: list[str]) -> None:
+    mistral = folder("mistral", "MistralConfig", sliding_window=8)
     with pytest.raises(_ClusterStarted):
         build(*(o.format(mistral=mistral) for o in overrides))
 
 
-def test_a_teacher_megatron_cannot_convert_names_its_distill_key(build, tmp_path: Path) -> None:
+def test_a_teacher_megatron_cannot_convert_names_its_distill_key(build, folder) -> None:
     """Routed teachers of on-policy distillation, one of them a model the engine maps and one it does not: the
     refusal names the distill key that gave it (it said "teacher domain_code's model", no key to set)."""
-    gemma = _folder(tmp_path, "gemma", "GemmaConfig")
+    gemma = folder("gemma", "GemmaConfig")
     routed = f"+distill.teachers={{math: 'builtin:tiny', code: '{gemma}'}}"
     with pytest.raises(ConfigError, match=rf"^distill\.teachers\.code={gemma}: .* model_type='gemma'"):
         build("train_engine=megatron", "model=tiny", "pipeline=distill", "distill.teacher=builtin:tiny", routed)
@@ -106,19 +101,19 @@ def test_a_teacher_megatron_cannot_convert_names_its_distill_key(build, tmp_path
         build("train_engine=megatron", "model=tiny", "pipeline=distill_offline", f"distill.teacher={gemma}")
 
 
-def test_a_config_without_model_type_is_not_sent_to_another_engine(build, tmp_path: Path) -> None:
+def test_a_config_without_model_type_is_not_sent_to_another_engine(build, folder) -> None:
     """config.json without model_type: no transformers AutoConfig reads it (short of remote code), so "train it with
     train_engine=hf or fsdp2" (as for a type Megatron does not map) was wrong advice: it says what is missing."""
     import json
 
     import transformers
 
-    folder = _folder(tmp_path, "llama", "LlamaConfig")
-    config = json.loads((folder / "config.json").read_text())
+    llama = folder("llama", "LlamaConfig")
+    config = json.loads((llama / "config.json").read_text())
     del config["model_type"]
-    (folder / "config.json").write_text(json.dumps(config))
+    (llama / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="model_type"):  # (what every engine's AutoConfig says of it)
-        transformers.AutoConfig.from_pretrained(folder)
-    with pytest.raises(ConfigError, match=rf"model\.path={folder}: {folder / 'config.json'} sets no model_type") as e:
-        build("train_engine=megatron", f"model.path={folder}")
+        transformers.AutoConfig.from_pretrained(llama)
+    with pytest.raises(ConfigError, match=rf"model\.path={llama}: {llama / 'config.json'} sets no model_type") as e:
+        build("train_engine=megatron", f"model.path={llama}")
     assert "add the model's model_type" in str(e.value)

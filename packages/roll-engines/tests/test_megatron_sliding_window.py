@@ -20,22 +20,8 @@ pytest.importorskip("megatron.core", reason="pip install 'roll-engines[megatron]
 
 from roll_core.errors import ConfigError
 
-SHAPE = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "sliding_window": 4,
-}
+WINDOW = {"sliding_window": 4}  # on every config here (tiny_hf_config's shape): what a sliding layer sees
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-
-
-def _config(cls: str, **change: Any) -> Any:
-    import transformers
-
-    return getattr(transformers, cls)(**SHAPE, **change)
 
 
 SLIDING_NOWHERE = {
@@ -64,24 +50,26 @@ NO_WINDOW = {
 
 
 @pytest.mark.parametrize("case", list(SLIDING_NOWHERE))
-def test_a_window_no_layer_uses_is_accepted(case: str) -> None:
+def test_a_window_no_layer_uses_is_accepted(case: str, tiny_hf_config: Any) -> None:
     from roll_engines.train.megatron._supported import check_supported
 
     cls, change = SLIDING_NOWHERE[case]
-    check_supported(_config(cls, **change), tp=1, pp=1)
+    check_supported(tiny_hf_config(cls, **WINDOW, **change), tp=1, pp=1)
 
 
 @pytest.mark.parametrize("case", list(SLIDING))
-def test_a_layer_that_slides_is_refused_naming_it(case: str) -> None:
+def test_a_layer_that_slides_is_refused_naming_it(case: str, tiny_hf_config: Any) -> None:
     from roll_engines.train.megatron._supported import check_supported
 
     (cls, change), layers = SLIDING[case]
     with pytest.raises(ConfigError, match=rf"sliding window of 4 tokens in {layers} .*sliding-window attention"):
-        check_supported(_config(cls, **change), tp=1, pp=1)
+        check_supported(tiny_hf_config(cls, **WINDOW, **change), tp=1, pp=1)
 
 
 @pytest.mark.parametrize("case", list(NO_WINDOW))
-def test_sliding_layer_types_without_a_window_are_refused_as_transformers_cannot_run_them(case: str) -> None:
+def test_sliding_layer_types_without_a_window_are_refused_as_transformers_cannot_run_them(
+    case: str, tiny_hf_config: Any
+) -> None:
     """transformers' own forward of such a config fails (qwen2/qwen3: a TypeError building the sliding mask; qwen2_moe,
     whose missing window is 0: a shape error), so there is nothing to match: a ConfigError says what to fix."""
     import transformers
@@ -89,7 +77,9 @@ def test_sliding_layer_types_without_a_window_are_refused_as_transformers_cannot
     from roll_engines.train.megatron._supported import check_supported
 
     cls, extra = NO_WINDOW[case]
-    cfg = _config(cls, use_sliding_window=False, layer_types=["sliding_attention", "full_attention"], **extra)
+    cfg = tiny_hf_config(
+        cls, **WINDOW, use_sliding_window=False, layer_types=["sliding_attention", "full_attention"], **extra
+    )
     with pytest.raises((TypeError, RuntimeError, ValueError)):
         transformers.AutoModelForCausalLM.from_config(cfg).eval()(torch.arange(9)[None])
     with pytest.raises(ConfigError, match=r"layers \[0\] sliding_attention, yet it sets no window .* cannot run it"):
