@@ -148,7 +148,7 @@ def test_preset_runs_through_every_engine(preset: str, tmp_path: Path) -> None:
     for name in ("hf", "fsdp2", "megatron"):
         if name == "megatron" and kind == "gemma3":
             pytest.importorskip("megatron.core")
-            with pytest.raises(ValueError, match=r"train_engine=megatron maps .*not 'gemma3_text'"):
+            with pytest.raises(ValueError, match=r"train_engine=megatron maps .*not model_type='gemma3_text'"):
                 _train_engine(name, path)
             continue
         engine = _train_engine(name, path)
