@@ -145,6 +145,8 @@ def check_train_models(cfg: RLVRConfig, needs: RoleNeeds) -> None:
     checked the same in their set-up only: on Ray a model they cannot train was refused after Ray had started and the
     workers had spawned. A model whose config.json is not on this machine (a hub id not downloaded here) is left to
     the engine, which checks it when it loads; the ConfigError names the key that gave the model."""
+    if type(cfg.train_engine).check_model is TrainEngineConfig.check_model:
+        return  # the default refuses nothing: no builtin to build, no cache to search for it (hf, fsdp2)
     algo, model = cfg.algo, cfg.model
     models: dict[str, str] = {}  # model -> the key naming it (the first that does)
     if needs.train or needs.reference:
