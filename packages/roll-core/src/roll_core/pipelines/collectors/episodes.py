@@ -375,23 +375,6 @@ def has_outcome(t: Trajectory, drop_failures: bool = False) -> bool:
     return not (drop_failures and t.end in ENV_FAILURES)
 
 
-#: The metrics `episode_metrics` computes over the episodes with an outcome: a step without one logs none of them.
-OUTCOME_METRICS = (
-    "reward/mean",
-    "reward/std",
-    "reward/accuracy",
-    "episode/success_rate",
-    "episode/turns_mean",
-    "episode/invalid_action_rate",
-    "episode/tool_calls_mean",
-    *(f"episode/{k}_mean" for k in INFO_COUNTERS),
-    "episode/cut_turn_rate",
-    "episode/context_cut_turn_rate",
-    "episode/length_mean",
-    "response/length_mean",
-)
-
-
 def episode_metrics(
     trajs: list[Trajectory],
     before: dict[str, int] | None,
@@ -406,8 +389,8 @@ def episode_metrics(
     shortened length that describe the engine, not the policy (they pulled reward/mean and the success rate down); nor
     has one the policy never had a turn in (a failed reset, a first prompt over the context); so has an episode an
     environment failure ended when `drop_failures` (`on_failure: drop` in training: the episode is not trained, and the
-    metrics describe what was). With no episode left, those metrics (`OUTCOME_METRICS`) are absent: reward/mean 0.0 over
-    no episode read as a policy scoring 0."""
+    metrics describe what was). With no episode left, those metrics (reward/*, the episode/ rates and means,
+    response/length_mean) are absent: reward/mean 0.0 over no episode read as a policy scoring 0."""
     ends = Counter(t.end for t in trajs)
     n_all = max(len(trajs), 1)
     resumed = sum(t.resumed_turns for t in trajs)
